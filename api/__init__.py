@@ -1,0 +1,1 @@
+"""The HTTP face: FastAPI app, OpenAI wire schemas, routes, auth, the one error envelope."""

@@ -1,0 +1,69 @@
+"""The one error envelope, `{"error": {"message", "type", "param", "code"}}`, and the table
+that maps domain errors to HTTP statuses. A 500 is always a bug."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jobs.catalog import FleetUnavailable
+from jobs.errors import Conflict, DomainError, Forbidden, InvalidRequest, NotFound, TooLarge, Unauthorized
+
+log = logging.getLogger("backfill.api")
+
+STATUS_OF: dict[type[DomainError], int] = {
+    InvalidRequest: 400,
+    Unauthorized: 401,
+    Forbidden: 403,
+    NotFound: 404,
+    Conflict: 409,
+    TooLarge: 413,
+}
+
+
+def envelope(
+    status: int, message: str, *, type_: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        status_code=status,
+        content={"error": {"message": message, "type": type_, "param": param, "code": code}},
+        headers={"WWW-Authenticate": "Bearer"} if status == 401 else None,
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(DomainError)
+    async def _domain(_: Request, exc: DomainError) -> JSONResponse:
+        status = next((s for cls, s in STATUS_OF.items() if isinstance(exc, cls)), 400)
+        return envelope(status, exc.message, type_=exc.type, param=exc.param, code=exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+        param = ".".join(loc) or None
+        message = f"Invalid value for '{param}': {first.get('msg', 'invalid')}." if param else str(first.get("msg"))
+        return envelope(400, message, type_="invalid_request_error", param=param, code="invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        else:
+            message = str(exc.detail)
+        return envelope(exc.status_code, message, type_="invalid_request_error", code=None)
+
+    @app.exception_handler(FleetUnavailable)
+    async def _fleet(_: Request, exc: FleetUnavailable) -> JSONResponse:
+        return envelope(
+            503, f"The inference fleet is unavailable: {exc}", type_="server_error", code="fleet_unavailable"
+        )
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return envelope(500, "The server had an error while processing your request.", type_="server_error")

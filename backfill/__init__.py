@@ -1,0 +1,1 @@
+"""Entry points: the `backfill` CLI and process orchestration for the embedded mode."""

@@ -1,0 +1,3 @@
+from backfill.cli import main
+
+main()

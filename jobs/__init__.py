@@ -1,0 +1,1 @@
+"""The batch domain: models, status machine, validation, execution records, output assembly."""

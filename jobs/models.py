@@ -1,0 +1,208 @@
+"""ORM models. The database is the truth; the broker only nudges.
+
+Ids are bare random tokens; the API adds OpenAI's prefixes (`file-`, `batch_`) at the edge.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+import string
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import Mapped, mapped_column
+
+from storage.db import Base
+
+_ALPHABET = string.ascii_letters + string.digits
+
+
+def new_id(length: int = 24) -> str:
+    return "".join(secrets.choice(_ALPHABET) for _ in range(length))
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC on both Postgres and SQLite (which stores naive values)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("naive datetime")
+        return value.astimezone(UTC) if value is not None else None
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
+
+class BatchStatus(enum.StrEnum):
+    validating = "validating"
+    failed = "failed"
+    in_progress = "in_progress"
+    finalizing = "finalizing"
+    completed = "completed"
+    expired = "expired"
+    cancelling = "cancelling"
+    cancelled = "cancelled"
+
+
+TERMINAL_STATUSES = frozenset({BatchStatus.failed, BatchStatus.completed, BatchStatus.expired, BatchStatus.cancelled})
+
+
+class RequestState(enum.StrEnum):
+    pending = "pending"
+    running = "running"
+    succeeded = "succeeded"  # fleet answered 2xx: goes to the output file
+    failed = "failed"  # fleet answered 4xx, or retries ran out: error file with the fleet's answer
+    cancelled = "cancelled"  # batch_cancelled error line
+    expired = "expired"  # batch_expired error line
+
+
+FINISHED_STATES = frozenset({RequestState.succeeded, RequestState.failed, RequestState.cancelled, RequestState.expired})
+
+
+class Team(Base):
+    __tablename__ = "teams"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    # Weight in the fair share across teams (2 = twice the share of 1).
+    weight: Mapped[int] = mapped_column(Integer, default=1)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    team_id: Mapped[str] = mapped_column(ForeignKey("teams.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(128), default="")
+    prefix: Mapped[str] = mapped_column(String(32), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+
+
+class File(Base):
+    __tablename__ = "files"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=new_id)
+    team_id: Mapped[str] = mapped_column(ForeignKey("teams.id", ondelete="CASCADE"))
+    purpose: Mapped[str] = mapped_column(String(32))
+    filename: Mapped[str] = mapped_column(String(512))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    object_key: Mapped[str] = mapped_column(String(512))
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+    deleted_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+
+    __table_args__ = (Index("ix_files_team_created", "team_id", "created_at", "id"),)
+
+
+class Batch(Base):
+    __tablename__ = "batches"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    team_id: Mapped[str] = mapped_column(ForeignKey("teams.id", ondelete="CASCADE"))
+    input_file_id: Mapped[str] = mapped_column(String(40))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    completion_window: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16), default=BatchStatus.validating, index=True)
+    metadata_: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON, nullable=True)
+    output_expires_after_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
+
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    in_progress_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+    finalizing_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+    completed_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+    failed_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+    expired_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+    cancelling_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+    cancelled_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+
+    output_file_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    error_file_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+
+    # Live counters, bumped in the same transaction that records a request's result.
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    completed: Mapped[int] = mapped_column(Integer, default=0)
+    failed: Mapped[int] = mapped_column(Integer, default=0)
+    input_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    reasoning_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Estimated prompt + max output tokens of the whole batch (quotas, forecasts).
+    token_estimate: Mapped[int] = mapped_column(BigInteger, default=0)
+    price_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+    __table_args__ = (Index("ix_batches_team_created", "team_id", "created_at", "id"),)
+
+
+class BatchRequest(Base):
+    """One input line: a compact index into the input file plus its execution record."""
+
+    __tablename__ = "batch_requests"
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True)
+    line: Mapped[int] = mapped_column(Integer, primary_key=True)
+    custom_id: Mapped[str] = mapped_column(String(512))
+    offset: Mapped[int] = mapped_column(BigInteger)
+    length: Mapped[int] = mapped_column(Integer)
+    prefix_hash: Mapped[str] = mapped_column(String(16), default="")
+    token_estimate: Mapped[int] = mapped_column(Integer, default=0)
+
+    state: Mapped[str] = mapped_column(String(16), default=RequestState.pending)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    not_before: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+    claim_token: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    claimed_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+
+    result_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    request_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    response_body: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    reasoning_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+
+    __table_args__ = (
+        UniqueConstraint("batch_id", "custom_id", name="uq_batch_requests_custom_id"),
+        # The dispatcher's pick: pending lines of a batch, grouped by prompt prefix.
+        Index("ix_batch_requests_pick", "batch_id", "state", "prefix_hash", "line"),
+        Index("ix_batch_requests_state", "state", "claim_token"),
+    )
+
+
+class Lease(Base):
+    """Capacity leases and worker heartbeats for the embedded mode (Redis holds them in production)."""
+
+    __tablename__ = "leases"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16), index=True)
+    expires_at: Mapped[float] = mapped_column(Float)

@@ -1,0 +1,110 @@
+"""Teams and API keys. Keys are shown once, stored as a SHA-256 hash, found by hash."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from jobs.errors import Conflict, NotFound, Unauthorized
+from jobs.models import ApiKey, Team, utcnow
+
+KEY_PREFIX = "sk-bf-"
+
+
+@dataclass(frozen=True)
+class Principal:
+    team_id: str
+    team_name: str
+    key_id: str
+    is_admin: bool
+
+
+def hash_key(raw: str) -> str:
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def visible_prefix(raw: str) -> str:
+    return raw[: len(KEY_PREFIX) + 6]
+
+
+def authenticate(session: Session, raw_key: str | None) -> Principal:
+    if not raw_key:
+        raise Unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'.")
+    digest = hash_key(raw_key)
+    row = session.execute(
+        select(ApiKey, Team).join(Team, Team.id == ApiKey.team_id).where(ApiKey.key_hash == digest)
+    ).first()
+    # The lookup is by hash; compare again in constant time so timing never tells how close a guess was.
+    if row is None or not hmac.compare_digest(row[0].key_hash, digest) or row[0].revoked_at is not None:
+        raise Unauthorized(f"Incorrect API key provided: {visible_prefix(raw_key)}****.")
+    key, team = row
+    return Principal(team_id=team.id, team_name=team.name, key_id=key.id, is_admin=key.is_admin)
+
+
+def get_or_create_team(session: Session, *, name: str) -> Team:
+    team = session.execute(select(Team).where(Team.name == name)).scalar_one_or_none()
+    if team is None:
+        team = Team(name=name)
+        session.add(team)
+        session.flush()
+    return team
+
+
+def create_team(session: Session, *, name: str, weight: int = 1) -> Team:
+    if session.execute(select(Team).where(Team.name == name)).scalar_one_or_none() is not None:
+        raise Conflict(f"team {name!r} already exists", param="name", code="team_exists")
+    team = Team(name=name, weight=weight)
+    session.add(team)
+    session.flush()
+    return team
+
+
+def find_team(session: Session, *, name_or_id: str) -> Team:
+    team = session.execute(select(Team).where((Team.name == name_or_id) | (Team.id == name_or_id))).scalar_one_or_none()
+    if team is None:
+        raise NotFound(f"No team named {name_or_id!r}", param="team")
+    return team
+
+
+def create_key(session: Session, *, team_id: str, name: str = "", is_admin: bool = False) -> tuple[ApiKey, str]:
+    """Returns the row and the raw key; the raw key is never stored."""
+    raw = KEY_PREFIX + secrets.token_urlsafe(32)
+    key = ApiKey(team_id=team_id, name=name, prefix=visible_prefix(raw), key_hash=hash_key(raw), is_admin=is_admin)
+    session.add(key)
+    session.flush()
+    return key, raw
+
+
+def ensure_key(session: Session, *, team_name: str, raw_key: str, is_admin: bool = False) -> None:
+    """Install a configured key (bootstrap or admin) idempotently."""
+    team = get_or_create_team(session, name=team_name)
+    digest = hash_key(raw_key)
+    existing = session.execute(select(ApiKey).where(ApiKey.key_hash == digest)).scalar_one_or_none()
+    if existing is None:
+        session.add(
+            ApiKey(
+                team_id=team.id,
+                name="configured",
+                prefix=visible_prefix(raw_key),
+                key_hash=digest,
+                is_admin=is_admin,
+            )
+        )
+        session.flush()
+
+
+def revoke_key(session: Session, *, key_id_or_prefix: str) -> ApiKey:
+    key = session.execute(
+        select(ApiKey).where((ApiKey.id == key_id_or_prefix) | (ApiKey.prefix == key_id_or_prefix))
+    ).scalar_one_or_none()
+    if key is None:
+        raise NotFound(f"No API key {key_id_or_prefix!r}", param="key")
+    if key.revoked_at is None:
+        key.revoked_at = utcnow()
+    session.flush()
+    return key

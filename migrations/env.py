@@ -1,0 +1,33 @@
+"""Alembic environment: one linear history for Postgres and SQLite."""
+
+from __future__ import annotations
+
+from alembic import context
+
+import jobs.models  # noqa: F401 - registers the tables on Base.metadata
+from storage.db import Base, get_engine
+
+target_metadata = Base.metadata
+
+
+def run_migrations_online() -> None:
+    connectable = context.config.attributes.get("connection")
+    if connectable is not None:
+        _run(connectable)
+        return
+    with get_engine().connect() as connection:
+        _run(connection)
+
+
+def _run(connection) -> None:  # type: ignore[no-untyped-def]
+    context.configure(
+        connection=connection,
+        target_metadata=target_metadata,
+        render_as_batch=connection.dialect.name == "sqlite",
+        compare_type=True,
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+run_migrations_online()

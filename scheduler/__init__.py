@@ -1,0 +1,1 @@
+"""Celery app and thin tasks, capacity leases, dispatch policy and the fleet client."""

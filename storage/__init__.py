@@ -1,0 +1,1 @@
+"""Infrastructure adapters: settings, database, object store. Imports nothing above it."""

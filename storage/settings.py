@@ -1,0 +1,125 @@
+"""Configuration from the environment (`BACKFILL_` prefix).
+
+Unset means the embedded defaults: SQLite, a local directory as object store, a broker
+that needs no server and the simulated fleet. Production sets the URLs explicitly.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_HOME = Path(".backfill")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="BACKFILL_", env_file=".env", extra="ignore")
+
+    environment: str = "development"
+    home: Path = DEFAULT_HOME
+
+    database_url: str = ""
+    broker_url: str = ""
+    # Redis for capacity leases and the control loop's shared state; empty = database leases.
+    redis_url: str = ""
+
+    s3_endpoint_url: str = ""
+    s3_bucket: str = "backfill"
+    s3_access_key: str = ""
+    s3_secret_key: str = ""
+    s3_region: str = "us-east-1"
+
+    # Comma-separated OpenAI-compatible base URLs of the fleet (e.g. a Dynamo frontend).
+    fleet_urls: str = ""
+    fleet_api_key: str = ""
+    fleet_timeout_s: float = 600.0
+    fleet_max_retries: int = 6
+    models_cache_s: float = 30.0
+
+    bootstrap_api_key: str = ""
+    admin_api_key: str = ""
+
+    max_file_bytes: int = 200 * 1024 * 1024
+    max_requests_per_batch: int = 50_000
+    max_line_bytes: int = 10 * 1024 * 1024
+    max_reported_errors: int = 100
+    # Extra completion windows besides OpenAI's 24h, e.g. "1h,7d" (units s, m, h, d).
+    completion_windows: str = "24h"
+    file_expiry_default_s: int = 30 * 24 * 3600
+
+    # Fixed admission bound, used until the capacity controller publishes a limit.
+    max_inflight: int = 64
+    # Capacity control (telemetry-driven leases); off = the fixed bound above.
+    capacity_control: bool = False
+    capacity_floor: int = 0
+    # How batch requests are marked lowest priority for the fleet: nvext (Dynamo), vllm, none.
+    fleet_priority_hint: str = "nvext"
+    # Concurrent drain loops kept alive across all workers (each holds many requests in flight).
+    drains: int = 2
+    lease_ttl_s: float = 15.0
+    drain_slice_s: float = 30.0
+    tick_interval_s: float = 1.0
+
+    @field_validator("home")
+    @classmethod
+    def _absolute_home(cls, v: Path) -> Path:
+        return v.expanduser().resolve()
+
+    @property
+    def embedded(self) -> bool:
+        return not self.database_url
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.home / 'backfill.db'}"
+
+    @property
+    def resolved_broker_url(self) -> str:
+        return self.broker_url or "filesystem://"
+
+    @property
+    def broker_folder(self) -> Path:
+        return self.home / "broker"
+
+    @property
+    def objects_dir(self) -> Path:
+        return self.home / "objects"
+
+    @property
+    def fleet_url_list(self) -> list[str]:
+        return [u.strip().rstrip("/") for u in self.fleet_urls.split(",") if u.strip()]
+
+    @property
+    def completion_window_seconds(self) -> dict[str, int]:
+        windows = {"24h": 24 * 3600}
+        for raw in self.completion_windows.split(","):
+            raw = raw.strip()
+            if raw:
+                windows[raw] = parse_duration(raw)
+        return windows
+
+    def check_production(self) -> None:
+        """Refuse well-known development secrets outside development."""
+        if self.environment != "development":
+            for name in ("bootstrap_api_key", "admin_api_key"):
+                value = getattr(self, name)
+                if value and (value.startswith("sk-dev") or len(value) < 20):
+                    raise ValueError(f"BACKFILL_{name.upper()} is a development secret")
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> int:
+    unit = text[-1:]
+    if unit not in _UNITS or not text[:-1].isdigit() or int(text[:-1]) <= 0:
+        raise ValueError(f"bad duration {text!r}: use a positive integer and one of s, m, h, d")
+    return int(text[:-1]) * _UNITS[unit]
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

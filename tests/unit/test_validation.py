@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+import json
+
+from jobs.validation import Limits, iter_lines, validate_lines
+
+LIMITS = Limits(max_requests=100, max_line_bytes=10_000, max_errors=5)
+
+
+def line(i: int, **body: object) -> bytes:
+    b = {"model": "m", "messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 5, **body}
+    return json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": b}).encode()
+
+
+def test_iter_lines_offsets_survive_chunk_boundaries() -> None:
+    data = b"aa\nbbbb\r\n\ncc"
+    for size in range(1, len(data) + 1):
+        chunks = [data[i : i + size] for i in range(0, len(data), size)]
+        got = list(iter_lines(chunks))
+        assert got == [(1, 0, b"aa"), (2, 3, b"bbbb\r"), (3, 9, b""), (4, 10, b"cc")]
+        for _, off, raw in got:
+            assert data[off : off + len(raw)] == raw
+
+
+def test_valid_file_builds_index() -> None:
+    data = b"\n".join(line(i) for i in range(3)) + b"\n"
+    result = validate_lines([data], endpoint="/v1/chat/completions", served_models={"m"}, limits=LIMITS)
+    assert result.errors == [] and result.model == "m"
+    assert [r["line"] for r in result.requests] == [1, 2, 3]
+    for r in result.requests:
+        assert json.loads(data[r["offset"] : r["offset"] + r["length"]])["custom_id"] == r["custom_id"]
+    assert result.token_estimate > 15
+
+
+def test_errors_are_capped_with_a_summary() -> None:
+    data = b"\n".join(b"{bad" for _ in range(20))
+    result = validate_lines([data], endpoint="/v1/chat/completions", served_models=None, limits=LIMITS)
+    assert len(result.errors) == 6 and result.errors[-1]["code"] == "too_many_errors"
+    assert "15 more" in result.errors[-1]["message"]
+    assert [e["line"] for e in result.errors[:5]] == [1, 2, 3, 4, 5]
+
+
+def test_shared_prefix_gets_one_fingerprint() -> None:
+    long = "You are a grader. " * 100
+    data = b"\n".join(
+        json.dumps(
+            {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": "m", "prompt": long + f"question {i}", "max_tokens": 1},
+            }
+        ).encode()
+        for i in range(4)
+    )
+    result = validate_lines([data], endpoint="/v1/completions", served_models=None, limits=LIMITS)
+    assert len({r["prefix_hash"] for r in result.requests}) == 1
+
+
+def test_too_many_requests_and_long_lines() -> None:
+    limits = Limits(max_requests=2, max_line_bytes=200, max_errors=10)
+    data = b"\n".join([line(1), line(2, stop=["x" * 300]), line(3), line(4)])
+    result = validate_lines([data], endpoint="/v1/chat/completions", served_models=None, limits=limits)
+    codes = [(e["line"], e["code"]) for e in result.errors]
+    assert (2, "line_too_large") in codes and (3, "too_many_requests") in codes
