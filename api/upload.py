@@ -107,52 +107,51 @@ async def parse_upload(
         },
     )
 
-    async with anyio.create_task_group() as tg:
-        started = False
-        error: list[BaseException] = []
+    error: list[BaseException] = []
 
-        async def run_consumer() -> None:
-            try:
-                form.file_result = await anyio.to_thread.run_sync(consume_file, feed.chunks())
-            except BaseException as exc:  # noqa: BLE001 - re-raised below, after the feed is closed
-                error.append(exc)
-                # Drain so the producer never blocks on a full queue after the consumer gave up.
-                while True:
-                    try:
-                        feed.q.get_nowait()
-                    except queue.Empty:
-                        break
-            finally:
-                file_done.set()
-
-        async def push(item: object) -> None:
-            while True:
-                if error:
-                    raise error[0]
-                try:
-                    feed.q.put_nowait(item)
-                    return
-                except queue.Full:
-                    await anyio.sleep(0.002)
-
+    async def run_consumer() -> None:
         try:
-            async for chunk in body:
-                parser.write(chunk)
-                for item in pending:
-                    if not started:
-                        started = True
-                        tg.start_soon(run_consumer)
-                    await push(item)
-                pending.clear()
-                if error:
-                    raise error[0]
-            parser.finalize()
-        except BaseException:
-            if started and not file_done.is_set():
-                feed.q.put(_END) if not error else None
-            raise
-        if started:
-            await file_done.wait()
-            if error:
-                raise error[0]
+            form.file_result = await anyio.to_thread.run_sync(consume_file, feed.chunks())
+        except Exception as exc:  # noqa: BLE001 - handed to the producer, which re-raises it
+            error.append(exc)
+            # Drain so the producer never blocks on a full queue after the consumer gave up.
+            while True:
+                try:
+                    feed.q.get_nowait()
+                except queue.Empty:
+                    break
+        finally:
+            file_done.set()
+
+    async def push(item: object) -> None:
+        while not error:
+            try:
+                feed.q.put_nowait(item)
+                return
+            except queue.Full:
+                await anyio.sleep(0.002)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            started = False
+            try:
+                async for chunk in body:
+                    parser.write(chunk)
+                    for item in pending:
+                        if not started:
+                            started = True
+                            tg.start_soon(run_consumer)
+                        await push(item)
+                    pending.clear()
+                    if error:
+                        break
+                parser.finalize()
+            finally:
+                # However the body ended, the consumer must see the end of its stream.
+                if started and not file_done.is_set():
+                    await push(_END)
+    except BaseExceptionGroup as group:
+        raise group.exceptions[0] from None
+    if error:
+        raise error[0]
     return form

@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 
-def _on_sigterm(signum, frame):  # let `finally` blocks stop the children
+def _on_sigterm(signum: int, frame: object) -> None:  # let `finally` blocks stop the children
     raise KeyboardInterrupt
 
 
-def _cmd_install(args) -> int:
+def _cmd_install(args: argparse.Namespace) -> int:
     from .install import default_model_dir, default_venv_dir, ensure_dynamo_venv, fleet_home
     from .model import build_tiny_model
 
@@ -27,7 +27,7 @@ def _cmd_install(args) -> int:
     return 0
 
 
-def _cmd_up(args) -> int:
+def _cmd_up(args: argparse.Namespace) -> int:
     from .fleet import Fleet
 
     fleet = Fleet(
@@ -50,6 +50,7 @@ def _cmd_up(args) -> int:
         worker_args=args.worker_arg,
         ignore_unsupported_fields=args.ignore_unsupported_fields,
         keep_run_dir=args.keep_logs,
+        die_with_parent=True,  # started from the main thread, which lives as long as the CLI
         **({"log_level": args.log_level} if args.log_level else {}),
     )
     try:
@@ -61,10 +62,12 @@ def _cmd_up(args) -> int:
         print(f"logs:             {fleet.run_dir}")
         print("Ctrl-C to stop.", flush=True)
         warned: set[int] = set()
+        frontend = fleet.frontend
+        assert frontend is not None
         while True:
             time.sleep(1)
-            if not fleet.frontend.alive():
-                print("frontend exited:\n" + fleet.frontend.log_tail(), file=sys.stderr)
+            if not frontend.alive():
+                print("frontend exited:\n" + frontend.log_tail(), file=sys.stderr)
                 return 1
             for w in fleet.workers:
                 if not w.proc.alive() and w.index not in warned:
@@ -77,7 +80,7 @@ def _cmd_up(args) -> int:
         fleet.stop()
 
 
-def _cmd_s3(args) -> int:
+def _cmd_s3(args: argparse.Namespace) -> int:
     from .s3 import SeaweedS3
 
     s3 = SeaweedS3(port=args.port, data_dir=args.dir, access_key=args.access_key, secret_key=args.secret_key)
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     # A shell starts background jobs with SIGINT ignored; make Ctrl-C/kill -INT work anyway.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    return args.func(args)
+    return int(args.func(args))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Readiness and metrics probes use urllib so devfleet itself needs no HTTP client.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import os
 import random
@@ -24,9 +25,9 @@ import urllib.error
 import urllib.request
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from . import install, model
 
@@ -102,16 +103,86 @@ def _tail(path: Path, lines: int = 30) -> str:
     return _ANSI.sub("", "".join(text.splitlines(True)[-lines:]))
 
 
+try:  # loaded in the parent: the child between fork and exec should do as little as possible
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
+except OSError:
+    _LIBC = None
+
+
+def _set_parent_death_signal() -> None:
+    """In the child before exec: SIGKILL it when the parent goes away (Linux).
+
+    Caveat (why it is opt-in): the kernel fires this when the *thread* that
+    forked exits, so only use it when the fleet is started from a long-lived
+    thread (e.g. the main thread of a CLI or a test session).
+    """
+    if _LIBC is not None:
+        _LIBC.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+
+
+def _proc_start_ticks(pid: int) -> str | None:
+    """Process start time (field 22 of /proc/PID/stat): tells a live owner from PID reuse."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _process_env_has(pid: int, entry: str) -> bool:
+    try:
+        return entry.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+
+
+def reap_stale_fleets(run_root: Path) -> list[int]:
+    """SIGKILL process groups of fleets whose owning process died without stop().
+
+    Each fleet records its owner and process groups in RUN_DIR/pids.json. A group
+    is killed only if its leader still carries that fleet's DYN_FILE_KV in its
+    environment, so a recycled PID is never touched. Returns the killed pgids.
+    """
+    killed: list[int] = []
+    for pid_file in Path(run_root).glob("*/pids.json"):
+        try:
+            info = json.loads(pid_file.read_text())
+        except (OSError, ValueError):
+            continue
+        owner = info.get("owner_pid")
+        if owner and _proc_start_ticks(owner) == info.get("owner_start"):
+            continue  # owner still running: not stale
+        marker = f"DYN_FILE_KV={pid_file.parent / 'kv'}"
+        for pgid in info.get("pgids", []):
+            if _process_env_has(pgid, marker):
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                    killed.append(pgid)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        pid_file.unlink(missing_ok=True)
+    return killed
+
+
 class ManagedProcess:
     """One child process in its own session/process group, logging to a file."""
 
-    def __init__(self, name: str, cmd: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: Path | None = None):
+    def __init__(
+        self,
+        name: str,
+        cmd: Sequence[str],
+        env: Mapping[str, str],
+        log_path: Path,
+        cwd: Path | None = None,
+        die_with_parent: bool = False,
+    ):
         self.name = name
+        self.die_with_parent = die_with_parent
         self.cmd = [str(c) for c in cmd]
         self.env = dict(env)
         self.log_path = Path(log_path)
         self.cwd = cwd
-        self.popen: subprocess.Popen | None = None
+        self.popen: subprocess.Popen[bytes] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -134,6 +205,7 @@ class ManagedProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=_set_parent_death_signal if self.die_with_parent else None,
             )
 
     def alive(self) -> bool:
@@ -166,19 +238,19 @@ def stop_processes(procs: Sequence[ManagedProcess], grace: float = 8.0) -> None:
     The group is signalled even when the leader already exited, so stragglers it
     left behind are not orphaned.
     """
-    procs = [p for p in procs if p.popen is not None]
-    for p in procs:
+    started = [(p, p.popen) for p in procs if p.popen is not None]
+    for p, _ in started:
         p.signal_group(signal.SIGTERM)
     deadline = time.monotonic() + grace
-    for p in procs:
+    for _, popen in started:
         try:
-            p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            popen.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-    for p in procs:
+    for p, popen in started:
         p.signal_group(signal.SIGKILL)  # no-op for groups that are fully gone
         try:
-            p.popen.wait(timeout=5)
+            popen.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
 
@@ -204,7 +276,6 @@ class Worker:
     system_port: int
     bootstrap_port: int | None
     proc: ManagedProcess
-    extra: dict = field(default_factory=dict)
 
     @property
     def metrics_url(self) -> str:
@@ -226,7 +297,7 @@ def _stop_leftover_fleets() -> None:
     for f in list(_live_fleets):
         try:
             f.stop()
-        except Exception:
+        except Exception:  # noqa: BLE001 -- best effort at interpreter exit; keep stopping the others
             pass
 
 
@@ -236,6 +307,9 @@ class Fleet:
     Aggregated (default): `num_workers` mockers. Disaggregated: `num_prefill_workers`
     prefill mockers (each with its own bootstrap port) + `num_workers` decode
     mockers. Everything unset falls back to the mocker/frontend defaults.
+    `die_with_parent` makes the children exit if this process dies (see
+    `_set_parent_death_signal` for the thread caveat); without it, fleets of a
+    SIGKILLed owner are reaped by the next Fleet.start() on the same run root.
     `ignore_unsupported_fields` makes the frontend accept (and drop) unknown
     top-level request fields instead of answering 400.
     `python`/`model_path` default to the shared venv and tiny model under the
@@ -266,6 +340,7 @@ class Fleet:
         python: Path | str | None = None,
         run_dir: Path | str | None = None,
         keep_run_dir: bool = False,
+        die_with_parent: bool = False,
         ignore_unsupported_fields: bool = False,
         log_level: str = DEFAULT_LOG_LEVEL,
         startup_timeout: float = 120.0,
@@ -295,6 +370,7 @@ class Fleet:
         self.python = Path(python) if python else None
         self._run_dir_given = Path(run_dir) if run_dir else None
         self.keep_run_dir = keep_run_dir
+        self.die_with_parent = die_with_parent
         self.ignore_unsupported_fields = ignore_unsupported_fields
         self.log_level = log_level
         self.startup_timeout = startup_timeout
@@ -326,7 +402,7 @@ class Fleet:
     def pids(self) -> list[int]:
         """PIDs (= process-group ids) of the processes currently running."""
         procs = ([self.frontend] if self.frontend else []) + [w.proc for w in self.workers]
-        return [p.pid for p in procs if p.alive()]
+        return [p.popen.pid for p in procs if p.popen is not None and p.alive()]
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -334,7 +410,7 @@ class Fleet:
         self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def start(self) -> Fleet:
@@ -344,18 +420,27 @@ class Fleet:
             self.python = install.ensure_dynamo_venv(install.default_venv_dir())
         if self.model_path is None:
             self.model_path = model.build_tiny_model(install.default_model_dir(self.model_name), name=self.model_name)
+        root = install.default_run_root()
+        # Clean up after owners that were SIGKILLed (e.g. a test run killed on timeout).
+        reap_stale_fleets(root)
         if self._run_dir_given:
+            reap_stale_fleets(self._run_dir_given.parent)
             self.run_dir = self._run_dir_given
             self.run_dir.mkdir(parents=True, exist_ok=True)
         else:
-            root = install.default_run_root()
             root.mkdir(parents=True, exist_ok=True)
             self.run_dir = Path(tempfile.mkdtemp(prefix="fleet-", dir=root))
         if self.http_port is None:
             self.http_port = free_port()
 
         base_env = self._base_env()
-        self.frontend = ManagedProcess("frontend", self._frontend_cmd(), base_env, self.run_dir / "frontend.log")
+        self.frontend = ManagedProcess(
+            "frontend",
+            self._frontend_cmd(),
+            base_env,
+            self.run_dir / "frontend.log",
+            die_with_parent=self.die_with_parent,
+        )
         self.workers = []
         roles = (
             ["prefill"] * self.num_prefill_workers + ["decode"] * self.num_workers
@@ -367,7 +452,11 @@ class Fleet:
             bootstrap = free_port(port_range=SYSTEM_PORT_RANGE) if role == "prefill" else None
             wenv = dict(base_env, DYN_SYSTEM_PORT=str(system_port))
             proc = ManagedProcess(
-                f"worker{i}-{role}", self._worker_cmd(role, bootstrap), wenv, self.run_dir / f"worker{i}-{role}.log"
+                f"worker{i}-{role}",
+                self._worker_cmd(role, bootstrap),
+                wenv,
+                self.run_dir / f"worker{i}-{role}.log",
+                die_with_parent=self.die_with_parent,
             )
             self.workers.append(Worker(i, role, system_port, bootstrap, proc))
 
@@ -378,6 +467,7 @@ class Fleet:
             for w in self.workers:
                 w.proc.start()
             self.frontend.start()
+            self._record_pids()
             self._wait_ready(self.startup_timeout)
         except BaseException:
             self.keep_run_dir = True  # keep logs for post-mortem
@@ -391,6 +481,8 @@ class Fleet:
             return
         procs = ([self.frontend] if self.frontend else []) + [w.proc for w in self.workers]
         stop_processes(procs)
+        if self.run_dir:
+            (self.run_dir / "pids.json").unlink(missing_ok=True)
         self._started = False
         _live_fleets.discard(self)
         if self.run_dir and not self.keep_run_dir and not self._run_dir_given:
@@ -406,6 +498,7 @@ class Fleet:
         if w.proc.alive():
             stop_processes([w.proc])
         w.proc.start()
+        self._record_pids()
         deadline = time.monotonic() + timeout
         while True:
             if not w.proc.alive():
@@ -421,6 +514,18 @@ class Fleet:
         self._wait_ready(timeout)
 
     # -- internals -----------------------------------------------------------
+
+    def _record_pids(self) -> None:
+        assert self.run_dir is not None
+        procs = ([self.frontend] if self.frontend else []) + [w.proc for w in self.workers]
+        info = {
+            "owner_pid": os.getpid(),
+            "owner_start": _proc_start_ticks(os.getpid()),
+            "pgids": [p.pid for p in procs if p.pid],
+        }
+        tmp = self.run_dir / "pids.json.tmp"
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, self.run_dir / "pids.json")
 
     def _base_env(self) -> dict[str, str]:
         assert self.run_dir is not None and self.python is not None
@@ -465,7 +570,14 @@ class Fleet:
         env.update(self.extra_env)
         return env
 
-    _PLANES = ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
+    _PLANES: ClassVar[tuple[str, ...]] = (
+        "--discovery-backend",
+        "file",
+        "--request-plane",
+        "tcp",
+        "--event-plane",
+        "zmq",
+    )
 
     def _frontend_cmd(self) -> list[str]:
         cmd = [

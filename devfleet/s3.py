@@ -16,6 +16,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from . import install
 from .fleet import LOOPBACK, ManagedProcess, free_port, stop_processes
@@ -52,13 +53,17 @@ class SeaweedS3:
         self.workdir: Path | None = None
         self.proc: ManagedProcess | None = None
         self._tmp_data = False
+        self._ports: list[int] = []
 
     @property
     def endpoint_url(self) -> str:
         return f"http://{LOOPBACK}:{self.port}"
 
-    def client(self, **kwargs):
-        """A boto3 S3 client for this server (path-style addressing)."""
+    def client(self, **config: Any) -> Any:
+        """A boto3 S3 client for this server (path-style addressing).
+
+        Keyword arguments become botocore `Config` options (e.g. read_timeout=5).
+        """
         import boto3
         from botocore.config import Config
 
@@ -68,10 +73,7 @@ class SeaweedS3:
             aws_access_key_id=self.access_key,
             aws_secret_access_key=self.secret_key,
             region_name=self.region,
-            config=Config(
-                s3={"addressing_style": "path"}, retries={"max_attempts": 2}, connect_timeout=2, read_timeout=30
-            ),
-            **kwargs,
+            config=Config(s3={"addressing_style": "path"}, **config),
         )
 
     def create_bucket(self, name: str) -> None:
@@ -88,7 +90,7 @@ class SeaweedS3:
         self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def start(self) -> SeaweedS3:
@@ -117,8 +119,12 @@ class SeaweedS3:
             )
         )
 
+        self._ports = [self.port]
+
         def p() -> str:
-            return str(free_port(port_range=_PORT_RANGE))
+            port = free_port(port_range=_PORT_RANGE)
+            self._ports.append(port)
+            return str(port)
 
         cmd = [
             str(weed),
@@ -129,6 +135,7 @@ class SeaweedS3:
             f"-s3.port={self.port}",
             f"-s3.port.grpc={p()}",
             f"-s3.config={cfg}",
+            f"-s3.localSocket={self.workdir / 's3.sock'}",
             f"-master.port={p()}",
             f"-master.port.grpc={p()}",
             f"-volume.port={p()}",
@@ -156,19 +163,25 @@ class SeaweedS3:
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
         last: Exception | None = None
-        client = self.client()
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        client = self.client(retries={"max_attempts": 1}, connect_timeout=2, read_timeout=5)
+        proc = self.proc
+        assert proc is not None
         while True:
-            if not self.proc.alive():
-                raise S3StartError(f"weed exited (rc={self.proc.popen.returncode}); log:\n{self.proc.log_tail(40)}")
+            if not proc.alive():
+                raise S3StartError(
+                    f"weed exited (rc={proc.popen.returncode if proc.popen else '?'}); log:\n{proc.log_tail(40)}"
+                )
             try:
                 client.list_buckets()
                 return
-            except Exception as e:  # connection refused, 503 while the filer starts, ...
+            except (BotoCoreError, ClientError) as e:  # connection refused, 503 while the filer starts, ...
                 last = e
             if time.monotonic() > deadline:
                 raise S3StartError(
                     f"SeaweedFS S3 not ready at {self.endpoint_url} after "
-                    f"{self.startup_timeout:.0f}s ({last}); log:\n{self.proc.log_tail(40)}"
+                    f"{self.startup_timeout:.0f}s ({last}); log:\n{proc.log_tail(40)}"
                 )
             time.sleep(0.2)
 
@@ -181,6 +194,12 @@ class SeaweedS3:
             # a caller-provided data_dir persists across stop/start.
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
+        # weed leaves unix sockets named after its ports in /tmp (s3-grpc, admin-grpc, ...)
+        # whatever -*.localSocket says; remove this instance's ones.
+        for port in self._ports:
+            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                sock.unlink(missing_ok=True)
+        self._ports = []
         if self._tmp_data:
             self.data_dir, self._tmp_data = None, False
 

@@ -250,6 +250,21 @@ def test_fleet_serves_openai(fleet):
             json={"model": "tiny-chat", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}], **extra},
         )
         assert r.status_code == 200, (extra, r.text)
+    # The chat template (rendered by the frontend's minijinja) accepts content parts.
+    r = c.post(
+        f"{fleet.base_url}/chat/completions",
+        json={
+            "model": "tiny-chat",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}],
+        },
+    )
+    assert r.status_code == 200, r.text
+    # Repeating a long prompt hits the prefix cache on the worker the KV router picks.
+    long = {"model": "tiny-chat", "max_tokens": 2, "messages": [{"role": "user", "content": "cache me " * 400}]}
+    usages = [c.post(f"{fleet.base_url}/chat/completions", json=long).json()["usage"] for _ in range(3)]
+    assert usages[0]["prompt_tokens"] > 500
+    assert usages[-1]["prompt_tokens_details"]["cached_tokens"] > 0, usages
     # Mocker quirk: max_tokens is required.
     r = c.post(
         f"{fleet.base_url}/chat/completions",
@@ -346,3 +361,64 @@ def test_fleet_start_failure_reports_logs(tiny_model: Path, tmp_path: Path):
     msg = str(ei.value)
     assert "worker0-agg" in msg and "no-such-flag" in msg
     assert f.pids() == []
+
+
+_ORPHAN_SCRIPT = """
+import sys, time
+from pathlib import Path
+from devfleet.fleet import Fleet
+f = Fleet(num_workers=1, speedup_ratio=0, model_path=Path(sys.argv[1]), run_dir=Path(sys.argv[2]),
+          die_with_parent=sys.argv[3] == "1")
+f.start()
+print("PIDS", *f.pids(), flush=True)
+time.sleep(300)
+"""
+
+
+def _wait_dead(pids: list[int], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while any(_pid_alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("die_with_parent", [True, False])
+def test_owner_sigkilled_leaves_no_orphans(tiny_model: Path, tmp_path: Path, die_with_parent: bool):
+    """A SIGKILLed owner: children die with it (die_with_parent) or are reaped later."""
+    import signal
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    run_dir = tmp_path / "runs" / "fleet-orphan"
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _ORPHAN_SCRIPT, str(tiny_model), str(run_dir), "1" if die_with_parent else "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")},
+    )
+    pids: list[int] = []
+    try:
+        line = owner.stdout.readline()
+        assert line.startswith("PIDS"), line
+        pids = [int(p) for p in line.split()[1:]]
+        assert len(pids) == 2
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        if die_with_parent:
+            assert _wait_dead(pids)
+        else:
+            time.sleep(1)
+            assert all(_pid_alive(p) for p in pids)  # orphaned, as expected without the option
+            assert sorted(fleet_mod.reap_stale_fleets(run_dir.parent)) == sorted(pids)
+            assert _wait_dead(pids)
+    finally:
+        for p in pids:
+            if _pid_alive(p):
+                os.killpg(p, signal.SIGKILL)
+        if owner.poll() is None:
+            owner.kill()

@@ -98,7 +98,8 @@ def test_fleet_4xx_goes_to_error_file(client) -> None:
     errors = read_lines(client, done.error_file_id)
     assert sorted(e["custom_id"] for e in errors) == [f"req-{100 + i}" for i in range(3)]
     for e in errors:
-        assert 400 <= e["response"]["status_code"] < 500 and "error" in json.dumps(e["response"]["body"])
+        assert 400 <= e["response"]["status_code"] < 500 and "max_tokens" in json.dumps(e["response"]["body"])
+        assert e["error"] is None
     assert len(read_lines(client, done.output_file_id)) == 5
 
 
@@ -192,7 +193,7 @@ def test_file_api(client) -> None:
     page = client.files.list(limit=2, order="desc")
     validate(page.model_dump(exclude_unset=False) | {"object": "list"}, "ListFilesResponse")
     assert len(page.data) == 2 and page.has_more
-    every = [f.id for f in client.files.list(limit=2, purpose="batch").auto_paging_iter()]
+    every = [f.id for f in client.files.list(limit=2, purpose="batch")]
     assert set(ids) <= set(every) and len(every) == len(set(every))
     asc = client.files.list(order="asc", limit=10000).data
     assert [f.created_at for f in asc] == sorted(f.created_at for f in asc)
@@ -215,7 +216,7 @@ def test_batch_list_pagination(client) -> None:
     validate(first.model_dump(), "ListBatchesResponse")
     assert len(first.data) == 2 and first.has_more
     assert first.data[0].id == made[-1]
-    listed = [b.id for b in client.batches.list(limit=2).auto_paging_iter()]
+    listed = [b.id for b in client.batches.list(limit=2)]
     assert listed[:5] == list(reversed(made))
     raw = httpx.get(
         f"{client.base_url}batches", params={"limit": 2}, headers={"Authorization": f"Bearer {client.api_key}"}
