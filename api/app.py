@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from api.errors import install_error_handlers
-from api.routes import batches, files, models
+from api.routes import admin, batches, files, models, usage
 from jobs.teams import ensure_key
 from storage.db import unit_of_work
 from storage.settings import get_settings
@@ -29,7 +29,7 @@ def create_app(*, enqueue_validation: Callable[[str], None] | None = None) -> Fa
     app = FastAPI(title="backfill", version="0.1.0", docs_url="/docs", redoc_url=None)
     app.state.enqueue_validation = enqueue_validation
     install_error_handlers(app)
-    for module in (files, batches, models):
+    for module in (files, batches, models, usage, admin):
         app.include_router(module.router)
 
     @app.get("/health", include_in_schema=False)

@@ -57,7 +57,7 @@ async def parse_upload(
         "hname": b"",
         "hval": b"",
     }
-    pending: list[bytes] = []
+    pending: list[object] = []
     file_done = anyio.Event()
 
     def on_part_begin() -> None:
@@ -90,13 +90,13 @@ async def parse_upload(
 
     def on_part_end() -> None:
         if state["is_file"]:
-            pending.append(_END)  # type: ignore[arg-type]
+            pending.append(_END)
         elif state["name"]:
             form.fields[state["name"]] = state["data"].decode("utf-8", "replace")
 
     parser = MultipartParser(
         options[b"boundary"],
-        {  # type: ignore[arg-type]
+        {
             "on_part_begin": on_part_begin,
             "on_header_field": on_header_field,
             "on_header_value": on_header_value,

@@ -81,10 +81,14 @@ def free_port(host: str = LOOPBACK, port_range: tuple[int, int] | None = None) -
     raise RuntimeError("could not find a free port")
 
 
+# Loopback probes must never go through an http_proxy from the environment.
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
     """GET returning (status, body); (0, b"") when nothing answers."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with _opener.open(url, timeout=timeout) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read() if e.fp else b""
@@ -493,22 +497,21 @@ class Fleet:
         self.workers[i].proc.kill()
 
     def restart_worker(self, i: int, timeout: float = 60.0) -> None:
-        """(Re)start worker i with the same ports and wait until it serves metrics."""
+        """(Re)start worker i with the same ports; wait until it serves metrics and the model is listed.
+
+        The frontend may still hold the killed instance's stale registration for
+        ~10 s, so a few requests can get 503 right after a kill/restart.
+        """
         w = self.workers[i]
         if w.proc.alive():
             stop_processes([w.proc])
         w.proc.start()
         self._record_pids()
         deadline = time.monotonic() + timeout
-        while True:
-            if not w.proc.alive():
-                raise FleetStartError(self._failure(f"worker {i} exited during restart"))
-            if http_get(w.metrics_url)[0] == 200:
-                break
-            if time.monotonic() > deadline:
-                raise FleetStartError(self._failure(f"worker {i} not ready after {timeout:.0f}s"))
-            time.sleep(0.2)
-        self._wait_models(deadline)
+        self._wait_metrics(deadline, [w])
+        assert self.frontend is not None
+        alive = sum(x.proc.alive() for x in self.workers)
+        self._wait_frontend(deadline, alive, [self.frontend, w.proc])
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         self._wait_ready(timeout)
@@ -636,34 +639,66 @@ class Fleet:
             return False
         return self.model_name in ids
 
-    def _check_alive(self) -> None:
-        for p in ([self.frontend] if self.frontend else []) + [w.proc for w in self.workers]:
+    def _check_alive(self, procs: Sequence[ManagedProcess] | None = None) -> None:
+        if procs is None:
+            procs = ([self.frontend] if self.frontend else []) + [w.proc for w in self.workers]
+        for p in procs:
             if not p.alive():
-                raise FleetStartError(
-                    self._failure(f"{p.name} exited with code {p.popen.returncode if p.popen else '?'}")
-                )
+                code = p.popen.returncode if p.popen else "?"
+                raise FleetStartError(self._failure(f"{p.name} exited with code {code}"))
 
-    def _wait_models(self, deadline: float) -> None:
-        while not self._models_listed():
-            self._check_alive()
+    def _registered_workers(self) -> int | None:
+        """Workers the frontend's KV router has registered; None if it exports no such gauge."""
+        status, body = http_get(self.frontend_metrics_url)
+        if status != 200:
+            return 0
+        seen, count = False, 0
+        for line in body.decode(errors="replace").splitlines():
+            if line.startswith("dynamo_component_router_worker_registered{"):
+                seen = True
+                count += float(line.rsplit(" ", 1)[1]) >= 1
+        return count if seen else None
+
+    def _wait_frontend(self, deadline: float, expected_workers: int, procs: Sequence[ManagedProcess]) -> None:
+        """Model listed; with the KV router also every worker (prefill ones included) registered.
+
+        /v1/models lists the model as soon as one decode/agg worker is known, which in
+        disaggregated mode can be before the prefill workers are.
+        """
+        while True:
+            self._check_alive(procs)
+            if self._models_listed():
+                if self.router_mode != "kv":
+                    return
+                registered = self._registered_workers()
+                if registered is not None and registered >= expected_workers:
+                    return
             if time.monotonic() > deadline:
                 raise FleetStartError(
-                    self._failure(f"model {self.model_name!r} not listed at {self.base_url}/models in time")
+                    self._failure(
+                        f"model {self.model_name!r} not served at {self.base_url} with "
+                        f"{expected_workers} worker(s) registered in time"
+                    )
                 )
             time.sleep(0.2)
 
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        pending = list(self.workers)
+    def _wait_metrics(self, deadline: float, workers: Sequence[Worker]) -> None:
+        pending = list(workers)
         while pending:
-            self._check_alive()
+            self._check_alive([w.proc for w in pending])
             pending = [w for w in pending if http_get(w.metrics_url)[0] != 200]
             if pending and time.monotonic() > deadline:
                 names = ", ".join(w.proc.name for w in pending)
                 raise FleetStartError(self._failure(f"metrics not answering for: {names}"))
             if pending:
                 time.sleep(0.2)
-        self._wait_models(deadline)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        self._check_alive()
+        self._wait_metrics(deadline, self.workers)
+        assert self.frontend is not None
+        self._wait_frontend(deadline, len(self.workers), [self.frontend, *(w.proc for w in self.workers)])
 
     def _failure(self, what: str) -> str:
         parts = [f"devfleet: {what} (logs in {self.run_dir})"]

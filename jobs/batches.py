@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy import select, tuple_, update
 from sqlalchemy.orm import Session
 
+from jobs.billing import current_price_version
 from jobs.errors import Conflict, InvalidRequest, NotFound
 from jobs.files import get_file, validate_expiry
 from jobs.models import Batch, BatchStatus, utcnow
@@ -86,6 +87,7 @@ def create_batch(
         output_expires_after_s=output_expiry_s,
         created_at=now,
         expires_at=now + timedelta(seconds=windows[completion_window]),
+        price_version=current_price_version(session),  # billed at the prices in force now
     )
     session.add(batch)
     session.flush()

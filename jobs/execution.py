@@ -295,23 +295,24 @@ def expire_overdue(session: Session, *, now: datetime | None = None) -> list[str
         ).scalars()
     )
     for batch_id in overdue:
-        moved = session.execute(
+        # Lines first, then the batch row: the same lock order as recording a result, so an
+        # expiry never deadlocks with a drain. In-flight answers arriving later fail their
+        # compare-and-set and are dropped.
+        session.execute(
+            update(BatchRequest)
+            .where(
+                BatchRequest.batch_id == batch_id,
+                BatchRequest.state.in_([RequestState.pending, RequestState.running]),
+            )
+            .values(state=RequestState.expired, claim_token=None, finished_at=now)
+            .execution_options(synchronize_session=False)
+        )
+        session.execute(
             update(Batch)
             .where(Batch.id == batch_id, Batch.status.in_([BatchStatus.validating, BatchStatus.in_progress]))
             .values(status=BatchStatus.finalizing, expired_at=now, finalizing_at=now)
             .execution_options(synchronize_session=False)
         )
-        if moved.rowcount == 1:  # type: ignore[attr-defined]
-            # In-flight answers arriving later fail their compare-and-set and are dropped.
-            session.execute(
-                update(BatchRequest)
-                .where(
-                    BatchRequest.batch_id == batch_id,
-                    BatchRequest.state.in_([RequestState.pending, RequestState.running]),
-                )
-                .values(state=RequestState.expired, claim_token=None, finished_at=now)
-                .execution_options(synchronize_session=False)
-            )
     return overdue
 
 

@@ -7,8 +7,9 @@ writing the files and the status change) rewrites the same bytes and the same ro
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
+from typing import Any
 
 import orjson
 from sqlalchemy import case, func, select, update
@@ -59,7 +60,7 @@ def _line(row: BatchRequest) -> bytes:
     return head + b',"response":' + response + b',"error":null}\n'
 
 
-def _lines(session: Session, batch_id: str, states: list[str]) -> Iterator[bytes]:
+def _lines(session: Session, batch_id: str, states: Sequence[str]) -> Iterator[bytes]:
     rows = session.execute(
         select(BatchRequest)
         .where(BatchRequest.batch_id == batch_id, BatchRequest.state.in_(states))
@@ -145,7 +146,7 @@ def finalize_batch(session: Session, store: ObjectStore, *, batch_id: str) -> st
         else BatchStatus.completed
     )
     stamp = {BatchStatus.cancelled: "cancelled_at", BatchStatus.completed: "completed_at"}.get(terminal)
-    values = {
+    values: dict[str, Any] = {
         "status": terminal,
         "output_file_id": file_ids["output"],
         "error_file_id": file_ids["error"],

@@ -98,12 +98,35 @@ def ensure_key(session: Session, *, team_name: str, raw_key: str, is_admin: bool
         session.flush()
 
 
-def revoke_key(session: Session, *, key_id_or_prefix: str) -> ApiKey:
-    key = session.execute(
-        select(ApiKey).where((ApiKey.id == key_id_or_prefix) | (ApiKey.prefix == key_id_or_prefix))
-    ).scalar_one_or_none()
-    if key is None:
+def list_teams(session: Session) -> list[Team]:
+    return list(session.execute(select(Team).order_by(Team.created_at, Team.id)).scalars())
+
+
+def get_team(session: Session, *, team_id: str) -> Team:
+    team = session.get(Team, team_id)
+    if team is None:
+        raise NotFound(f"No project found with id '{team_id}'.", param="project_id")
+    return team
+
+
+def list_keys(session: Session, *, team_id: str | None = None) -> list[ApiKey]:
+    query = select(ApiKey).order_by(ApiKey.created_at, ApiKey.id)
+    if team_id is not None:
+        query = query.where(ApiKey.team_id == team_id)
+    return list(session.execute(query).scalars())
+
+
+def revoke_key(session: Session, *, key_id_or_prefix: str, team_id: str | None = None) -> ApiKey:
+    """Revoke by id or visible prefix; `team_id` confines the search to one team. Idempotent."""
+    query = select(ApiKey).where((ApiKey.id == key_id_or_prefix) | (ApiKey.prefix == key_id_or_prefix))
+    if team_id is not None:
+        query = query.where(ApiKey.team_id == team_id)
+    keys = list(session.execute(query.limit(2)).scalars())
+    if not keys:
         raise NotFound(f"No API key {key_id_or_prefix!r}", param="key")
+    if len(keys) > 1:
+        raise Conflict(f"More than one key matches {key_id_or_prefix!r}; revoke it by id.", param="key")
+    key = keys[0]
     if key.revoked_at is None:
         key.revoked_at = utcnow()
     session.flush()

@@ -16,6 +16,7 @@ from sqlalchemy import delete, insert, update
 from sqlalchemy.orm import Session
 
 from jobs.models import Batch, BatchRequest, BatchStatus, RequestState, utcnow
+from jobs.quotas import quota_errors
 
 PREFIX_CHARS = 1024
 DEFAULT_MAX_OUTPUT_ESTIMATE = 1024
@@ -228,6 +229,17 @@ def apply_validation(session: Session, *, batch_id: str, result: ValidationResul
     if batch is None or batch.status not in (BatchStatus.validating, BatchStatus.cancelling):
         return batch.status if batch else "missing"
     now = utcnow()
+    if not result.errors and result.model is not None and batch.status == BatchStatus.validating:
+        # Over quota fails like any validation error: no request index, so nothing is dispatched.
+        result.errors.extend(
+            quota_errors(
+                session,
+                team_id=batch.team_id,
+                model=result.model,
+                batch_id=batch_id,
+                token_estimate=result.token_estimate,
+            )
+        )
     if result.errors:
         session.execute(
             update(Batch)

@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 import orjson
+from sqlalchemy.exc import OperationalError
 
 from jobs import execution
 from jobs.execution import ClaimedRequest, Outcome
@@ -184,9 +185,23 @@ class Dispatcher:
                 else:
                     group.append(nxt)
             if group:
-                await asyncio.to_thread(self._commit, group)
+                await asyncio.to_thread(self._commit_with_retry, group)
             if stop:
                 return
+
+    def _commit_with_retry(self, group: list[_Done]) -> None:
+        # Sorted, so concurrent drains lock batch rows in one order; a deadlock with a sweep
+        # (expiry, cancellation) aborts one side, and the whole group is simply tried again.
+        group.sort(key=lambda d: (d.request.batch_id, d.request.line))
+        for attempt in range(5):
+            try:
+                self._commit(group)
+                return
+            except OperationalError:
+                if attempt == 4:
+                    raise
+                log.warning("result commit conflicted; retrying", exc_info=True)
+                time.sleep(0.05 * (attempt + 1))
 
     def _commit(self, group: list[_Done]) -> None:
         with unit_of_work() as session:

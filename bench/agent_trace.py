@@ -1,0 +1,118 @@
+"""A replayable interactive trace: multi-turn agent sessions arriving in bursts and quiet periods.
+
+Each session is an agent loop: a shared system prompt, then turns that each append a tool
+result (a few hundred tokens) to the conversation and ask for a short reply, with a think time
+in between. Prompts grow turn by turn and most of each prompt is the previous turn's prefix, so
+the fleet's prefix cache matters as it does for real agents (scaled down from ~6K tokens added
+per turn on prompts of up to ~140K to what the simulated fleet on two CPU cores can carry).
+
+The trace is a pure function of its parameters and seed, so every run of the benchmark replays
+exactly the same requests; only a per-run salt word changes (so no run inherits another's cache).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+# Words the tiny model's tokenizer holds as single tokens (it was trained on Python sources).
+WORDS = (
+    "def return self value import class lambda result None True False items append while print format "
+    "string list dict tuple name path file open read write line data key index error raise except try "
+    "finally with yield async await for if else elif not and or in is pass break continue global test "
+    "config option default module package object method function argument parameter type int float str "
+    "bytes bool len range sorted filter map zip sum max min any all next iter super init call repr hash "
+    "time date stream buffer socket thread process queue lock event signal handler request response client "
+    "server header body status code message text token parse match group pattern search replace split join"
+).split()
+
+
+@dataclass(frozen=True)
+class Turn:
+    tool_tokens: int  # new context appended before this turn's request
+    max_tokens: int
+    think_s: float  # pause after the reply, before the next turn
+
+
+@dataclass(frozen=True)
+class Session:
+    sid: int
+    start_s: float
+    burst: bool
+    turns: tuple[Turn, ...]
+
+
+@dataclass(frozen=True)
+class TraceSpec:
+    duration_s: float = 90.0
+    cycle_s: float = 30.0  # one burst + one quiet period
+    burst_s: float = 12.0
+    burst_sessions: int = 10
+    quiet_sessions: int = 1
+    system_tokens: int = 1200
+    tool_tokens: tuple[int, int] = (300, 900)
+    max_tokens: tuple[int, int] = (100, 200)
+    think_s: tuple[float, float] = (1.0, 2.5)
+    quiet_think_s: tuple[float, float] = (3.0, 6.0)
+    seed: int = 7
+
+
+def build_trace(spec: TraceSpec) -> list[Session]:
+    rng = random.Random(spec.seed)
+    sessions: list[Session] = []
+    sid = 0
+    cycle_start = 0.0
+    while cycle_start < spec.duration_s - 1.0:
+        burst_end = min(cycle_start + spec.burst_s, spec.duration_s)
+        cycle_end = min(cycle_start + spec.cycle_s, spec.duration_s)
+        for _ in range(spec.burst_sessions):
+            start = cycle_start + rng.uniform(0.0, 0.3 * spec.burst_s)
+            sessions.append(_session(rng, spec, sid, start, burst_end, spec.think_s, burst=True))
+            sid += 1
+        for _ in range(spec.quiet_sessions):
+            if cycle_end - burst_end < 4.0:
+                break
+            start = rng.uniform(burst_end, max(burst_end, cycle_end - 4.0))
+            sessions.append(_session(rng, spec, sid, start, cycle_end, spec.quiet_think_s, burst=False))
+            sid += 1
+        cycle_start += spec.cycle_s
+    return sorted(sessions, key=lambda s: s.start_s)
+
+
+def _session(
+    rng: random.Random, spec: TraceSpec, sid: int, start: float, end: float, think: tuple[float, float], *, burst: bool
+) -> Session:
+    # ~3 s per turn on an unloaded fleet (reply + think): as many turns as fit before `end`.
+    turns = []
+    t = start
+    while True:
+        turn = Turn(
+            tool_tokens=rng.randint(*spec.tool_tokens),
+            max_tokens=rng.randint(*spec.max_tokens),
+            think_s=rng.uniform(*think),
+        )
+        turns.append(turn)
+        t += turn.max_tokens * 0.012 + turn.think_s
+        if t >= end or len(turns) >= 8:
+            break
+    return Session(sid=sid, start_s=start, burst=burst, turns=tuple(turns))
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def system_prompt(spec: TraceSpec, salt: str) -> str:
+    """Shared by every session of a run (agents share their instructions and tool schemas)."""
+    return f"{salt} " + words(random.Random(spec.seed * 7919), spec.system_tokens)
+
+
+def tool_output(spec: TraceSpec, session: Session, turn_index: int) -> str:
+    rng = random.Random(spec.seed * 1_000_003 + session.sid * 101 + turn_index)
+    return words(rng, session.turns[turn_index].tool_tokens)
+
+
+def reply_stub(session: Session, turn_index: int, n_tokens: int) -> str:
+    """What the agent appends as the assistant's reply (the mocker's text is random tokens)."""
+    rng = random.Random(session.sid * 7 + turn_index)
+    return words(rng, n_tokens)

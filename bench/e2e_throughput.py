@@ -1,0 +1,140 @@
+"""End-to-end throughput: a batch through backfill vs. a direct asyncio client.
+
+Both send the same requests to the same fleet (real Dynamo frontend + mocker workers) at the
+same concurrency. backfill runs as its real processes on the production adapters (Postgres,
+Redis broker and leases, SeaweedFS S3). Prints both throughputs and their ratio in one run.
+
+    .venv/bin/python -m bench.e2e_throughput --requests 10000 --concurrency 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import secrets
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
+MODEL = "tiny-chat"
+
+
+def make_lines(n: int, max_tokens: int) -> list[dict[str, object]]:
+    return [
+        {
+            "custom_id": f"r{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"Summarise item {i} of the catalogue in one line."}],
+                "max_tokens": max_tokens,
+            },
+        }
+        for i in range(n)
+    ]
+
+
+async def direct(fleet_url: str, lines: list[dict[str, object]], concurrency: int) -> float:
+    """The baseline: an asyncio client posting every body straight to the fleet."""
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
+        async def one(line: dict[str, object]) -> None:
+            async with sem:
+                for _ in range(5):
+                    r = await client.post(f"{fleet_url}/chat/completions", json=line["body"])
+                    if r.status_code == 200:
+                        return
+                    await asyncio.sleep(0.5)
+                raise RuntimeError(f"direct request failed: {r.status_code} {r.text[:200]}")
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one(line) for line in lines))
+        return time.perf_counter() - started
+
+
+def through_backfill(base_url: str, key: str, lines: list[dict[str, object]]) -> tuple[float, int]:
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key=key, timeout=120)
+    data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    started = time.perf_counter()
+    f = client.files.create(file=("bench.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        time.sleep(0.5)
+        batch = client.batches.retrieve(batch.id)
+    elapsed = time.perf_counter() - started
+    if batch.status != "completed":
+        raise RuntimeError(f"batch ended {batch.status}: {batch.errors}")
+    out = client.files.content(batch.output_file_id).text.splitlines()
+    return elapsed, len(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=10_000)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--fleet-workers", type=int, default=2)
+    ap.add_argument("--speedup", type=float, default=10.0, help="mocker speedup ratio (simulated time per wall second)")
+    args = ap.parse_args()
+
+    from devfleet.fleet import Fleet, free_port
+    from devfleet.s3 import SeaweedS3
+    from tests.stack import Stack, create_database, drop_database, service_env
+
+    lines = make_lines(args.requests, args.max_tokens)
+    db = f"backfill_bench_{secrets.token_hex(4)}"
+    import redis
+
+    redis.Redis.from_url(REDIS_URL).flushdb()
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        Fleet(num_workers=args.fleet_workers, speedup_ratio=args.speedup, model_name=MODEL) as fleet,
+        SeaweedS3() as s3,
+    ):
+        s3.create_bucket("backfill-test")
+        pg_url = create_database(PG_ADMIN_URL, db)
+        key = "sk-bench-" + secrets.token_hex(12)
+        env = {
+            **service_env(home=Path(tmp), pg_url=pg_url, redis_url=REDIS_URL, s3=s3, fleet_url=fleet.base_url),
+            "BACKFILL_BOOTSTRAP_API_KEY": key,
+            "BACKFILL_MAX_INFLIGHT": str(args.concurrency),
+            "BACKFILL_LOG_LEVEL": "WARNING",
+        }
+        stack = Stack(env=env, logdir=Path(tmp), api_port=free_port())
+        try:
+            for name in ("api", "worker", "scheduler"):
+                stack.start(name)
+            stack.wait_healthy()
+            # Warm both paths (connections, the fleet's first requests) before timing.
+            asyncio.run(direct(fleet.base_url, lines[:200], args.concurrency))
+            through_backfill(stack.base_url, key, lines[:200])
+
+            direct_s = asyncio.run(direct(fleet.base_url, lines, args.concurrency))
+            backfill_s, n_out = through_backfill(stack.base_url, key, lines)
+        finally:
+            stack.stop()
+            drop_database(PG_ADMIN_URL, db)
+
+    assert n_out == args.requests, (n_out, args.requests)
+    d_rps, b_rps = args.requests / direct_s, args.requests / backfill_s
+    print(f"requests={args.requests} concurrency={args.concurrency} max_tokens={args.max_tokens} fleet_workers={args.fleet_workers}")
+    print(f"{'path':<28}{'seconds':>10}{'req/s':>10}")
+    print(f"{'direct asyncio client':<28}{direct_s:>10.1f}{d_rps:>10.1f}")
+    print(f"{'backfill (upload->output)':<28}{backfill_s:>10.1f}{b_rps:>10.1f}")
+    print(f"e2e: backfill_rps={b_rps:.1f} direct_rps={d_rps:.1f} ratio={b_rps / d_rps:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Prices and the usage ledger.
+
+A batch is billed at the prices in force when it was created: `create_batch` stores the price
+list's version (the newest price row id) on the batch, and a request is priced with the newest
+row for its model that is no newer than that version and already effective at creation time.
+
+The ledger entry is written by a hook that `jobs.execution.record_outcome` calls inside the
+transaction that stores the request's result under a compare-and-set; the unique
+(batch_id, line) constraint and an insert that ignores duplicates make a second write a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from jobs.billing_models import Price, UsageLedgerEntry
+from jobs.errors import InvalidRequest
+from jobs.execution import Outcome, on_result
+from jobs.models import Batch, BatchRequest, utcnow
+
+log = logging.getLogger("backfill.billing")
+
+CURRENCY = "usd"
+MICROS_PER_UNIT = 1_000_000  # micro-units of currency in one unit (1 USD)
+TOKENS_PER_PRICE = 1_000_000  # prices are quoted per million tokens
+DEFAULT_BATCH_DISCOUNT_PERCENT = 50
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Micro-units of currency per million tokens, and the batch discount in whole percent."""
+
+    input: int
+    cached_input: int
+    output: int
+    discount_percent: int = DEFAULT_BATCH_DISCOUNT_PERCENT
+
+
+@dataclass(frozen=True)
+class Cost:
+    input_micros: int = 0
+    cached_input_micros: int = 0
+    output_micros: int = 0
+
+    @property
+    def total_micros(self) -> int:
+        return self.input_micros + self.cached_input_micros + self.output_micros
+
+
+def component_cost(tokens: int, rate_per_million: int, discount_percent: int) -> int:
+    """tokens x rate / 1e6 x (100 - discount) / 100, in micros, from one exact integer fraction.
+
+    Rounding: to the nearest micro, exact halves rounded up, once per component of each request
+    (never on intermediate values). The ledger stores these rounded components, so every sum
+    over it (per batch, team, day, line item) is exact and a total can be re-derived by hand.
+    """
+    numerator = tokens * rate_per_million * (100 - discount_percent)
+    denominator = TOKENS_PER_PRICE * 100
+    return (numerator + denominator // 2) // denominator
+
+
+def price_request(rates: Rates, *, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> Cost:
+    """Uncached input at the input rate, cached input at the cached rate, output at the output rate.
+
+    Reasoning tokens are part of `completion_tokens` (OpenAI's accounting), so they are billed as
+    output once, never added on top.
+    """
+    cached = min(cached_tokens, prompt_tokens)
+    return Cost(
+        input_micros=component_cost(prompt_tokens - cached, rates.input, rates.discount_percent),
+        cached_input_micros=component_cost(cached, rates.cached_input, rates.discount_percent),
+        output_micros=component_cost(completion_tokens, rates.output, rates.discount_percent),
+    )
+
+
+def parse_money(value: Any, *, param: str) -> int:
+    """A price in currency units ("2.50", 2.5) as exact micros; more than six decimals is refused."""
+    try:
+        amount = Decimal(str(value).strip())
+    except (InvalidOperation, ValueError):
+        raise InvalidRequest(f"{param} must be a decimal amount, not {value!r}.", param=param) from None
+    micros = amount * MICROS_PER_UNIT
+    if not amount.is_finite() or amount < 0 or micros != micros.to_integral_value():
+        raise InvalidRequest(f"{param} must be a non-negative amount with at most 6 decimals.", param=param)
+    return int(micros)
+
+
+def format_micros(micros: int) -> str:
+    """Micros as a currency-unit decimal string, exactly ("1.234567")."""
+    sign = "-" if micros < 0 else ""
+    whole, frac = divmod(abs(micros), MICROS_PER_UNIT)
+    return f"{sign}{whole}.{frac:06d}"
+
+
+def rates_of(price: Price) -> Rates:
+    return Rates(
+        input=price.input_micros_per_million,
+        cached_input=price.cached_input_micros_per_million,
+        output=price.output_micros_per_million,
+        discount_percent=price.batch_discount_percent,
+    )
+
+
+def set_price(
+    session: Session,
+    *,
+    model: str,
+    input_micros: int,
+    cached_input_micros: int,
+    output_micros: int,
+    discount_percent: int = DEFAULT_BATCH_DISCOUNT_PERCENT,
+    completion_window: str | None = None,
+    effective_from: datetime | None = None,
+) -> Price:
+    """Append a new price version; batches created before it keep their old prices."""
+    if not model:
+        raise InvalidRequest("A price needs a model.", param="model")
+    if not 0 <= discount_percent <= 100:
+        raise InvalidRequest("The batch discount must be between 0 and 100 percent.", param="batch_discount_percent")
+    for name, micros in (("input", input_micros), ("cached_input", cached_input_micros), ("output", output_micros)):
+        if micros < 0:
+            raise InvalidRequest(f"The {name} price cannot be negative.", param=name)
+    price = Price(
+        model=model,
+        completion_window=completion_window or None,
+        input_micros_per_million=input_micros,
+        cached_input_micros_per_million=cached_input_micros,
+        output_micros_per_million=output_micros,
+        batch_discount_percent=discount_percent,
+        effective_from=effective_from or utcnow(),
+        created_at=utcnow(),
+    )
+    session.add(price)
+    session.flush()
+    return price
+
+
+def list_prices(session: Session, *, model: str | None = None) -> list[Price]:
+    query = select(Price).order_by(Price.model, Price.id)
+    if model:
+        query = query.where(Price.model == model)
+    return list(session.execute(query).scalars())
+
+
+def current_price_version(session: Session) -> int | None:
+    """The price list's version: its newest row id (None while no price was ever set)."""
+    version: int | None = session.execute(select(func.max(Price.id))).scalar_one()
+    return version
+
+
+def price_in_force(
+    session: Session, *, model: str, completion_window: str, at: datetime, version: int | None
+) -> Price | None:
+    """The price for a batch: known at `version`, effective at `at`; a window-specific row wins
+    over the general one, then the latest effective, then the newest version."""
+    if version is None:
+        return None
+    return session.execute(
+        select(Price)
+        .where(
+            Price.model == model,
+            Price.id <= version,
+            Price.effective_from <= at,
+            (Price.completion_window == completion_window) | Price.completion_window.is_(None),
+        )
+        .order_by(Price.completion_window.is_(None), Price.effective_from.desc(), Price.id.desc())
+        .limit(1)
+    ).scalar_one_or_none()
+
+
+def _batch_price(session: Session, batch: Batch) -> Price | None:
+    # Price rows are append-only and the batch's version is fixed, so one lookup per batch
+    # per transaction is enough (the dispatcher records results in groups of up to 200).
+    cache: dict[str, Price | None] = session.info.setdefault("billing_price_of_batch", {})
+    if batch.id not in cache:
+        cache[batch.id] = price_in_force(
+            session,
+            model=batch.model or "",
+            completion_window=batch.completion_window,
+            at=batch.created_at,
+            version=batch.price_version,
+        )
+        if cache[batch.id] is None:
+            log.warning(
+                "no price in force for model %r (batch %s): usage is recorded at zero cost", batch.model, batch.id
+            )
+    return cache[batch.id]
+
+
+def _insert_ignoring_duplicates(session: Session, values: dict[str, Any]) -> None:
+    if session.get_bind().dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+        session.execute(
+            pg_insert(UsageLedgerEntry).values(**values).on_conflict_do_nothing(constraint="uq_usage_ledger_request")
+        )
+    else:
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        session.execute(
+            sqlite_insert(UsageLedgerEntry).values(**values).on_conflict_do_nothing(index_elements=["batch_id", "line"])
+        )
+
+
+@on_result
+def record_usage(session: Session, batch: Batch, request: BatchRequest, outcome: Outcome) -> None:
+    """Ledger entry for one executed request. Failed requests (4xx, retries exhausted) cost nothing;
+    cancelled and expired lines never reach `record_outcome`."""
+    if not outcome.succeeded:
+        return
+    usage = outcome.usage
+    price = _batch_price(session, batch)
+    cost = (
+        price_request(
+            rates_of(price),
+            prompt_tokens=usage.prompt_tokens,
+            cached_tokens=usage.cached_tokens,
+            completion_tokens=usage.completion_tokens,
+        )
+        if price is not None
+        else Cost()
+    )
+    _insert_ignoring_duplicates(
+        session,
+        {
+            "batch_id": batch.id,
+            "line": request.line,
+            "team_id": batch.team_id,
+            "model": batch.model or "",
+            "prompt_tokens": usage.prompt_tokens,
+            "cached_tokens": usage.cached_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "reasoning_tokens": usage.reasoning_tokens,
+            "price_version": price.id if price is not None else None,
+            "input_cost_micros": cost.input_micros,
+            "cached_input_cost_micros": cost.cached_input_micros,
+            "output_cost_micros": cost.output_micros,
+            "cost_micros": cost.total_micros,
+            "recorded_at": utcnow(),
+        },
+    )

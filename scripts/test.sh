@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up everything the tests need, then run lint, types, layer contracts and the tests.
+# Needs PostgreSQL on 127.0.0.1:5432 (trust auth) and Redis on 127.0.0.1:6379; installs
+# the rest itself: the Python environment, SeaweedFS (S3), and the Dynamo frontend + mocker
+# fleet in its own virtualenv with a tiny locally built model.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3.11}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[dev]'
+.venv/bin/python -m devfleet install
+.venv/bin/ruff check .
+.venv/bin/mypy
+.venv/bin/lint-imports
+.venv/bin/pytest "$@"
