@@ -14,7 +14,14 @@ from typing import Annotated
 
 import typer
 
+from backfill.admin_cli import keys_app, prices_app, quotas_app, teams_app, usage
+
 app = typer.Typer(help="backfill: OpenAI-compatible batch inference on a fleet's idle capacity.", no_args_is_help=True)
+app.add_typer(teams_app, name="teams")
+app.add_typer(keys_app, name="keys")
+app.add_typer(prices_app, name="prices")
+app.add_typer(quotas_app, name="quotas")
+app.command("usage")(usage)
 
 
 def _logging() -> None:

@@ -32,6 +32,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     fleet = Fleet(
         http_port=args.port,
+        http_host=args.host,
         num_workers=args.workers,
         model_path=args.model_path,
         model_name=args.model_name,
@@ -119,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_install)
 
     p = sub.add_parser("up", help="run frontend + mocker workers until Ctrl-C")
+    p.add_argument("--host", default="127.0.0.1", help="frontend HTTP interface (0.0.0.0 in a container)")
     p.add_argument("--port", type=int, default=8000, help="frontend HTTP port (0 = pick a free one)")
     p.add_argument("--workers", type=int, default=2, help="aggregated workers (decode workers with --disaggregated)")
     p.add_argument("--model-name", default="tiny-chat")

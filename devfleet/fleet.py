@@ -324,6 +324,7 @@ class Fleet:
         self,
         *,
         http_port: int | None = None,
+        http_host: str = LOOPBACK,
         num_workers: int = 2,
         model_path: Path | str | None = None,
         model_name: str = "tiny-chat",
@@ -354,6 +355,7 @@ class Fleet:
         if disaggregated and num_prefill_workers < 1:
             raise ValueError("num_prefill_workers must be >= 1 when disaggregated")
         self.http_port = http_port
+        self.http_host = http_host  # the frontend only; workers always stay on loopback
         self.num_workers = num_workers
         self.model_path = Path(model_path) if model_path else None
         self.model_name = model_name
@@ -588,7 +590,7 @@ class Fleet:
             "-m",
             "dynamo.frontend",
             "--http-host",
-            LOOPBACK,
+            self.http_host,
             "--http-port",
             str(self.http_port),
             "--router-mode",
