@@ -1,0 +1,60 @@
+"""The lease contract on both stores: Redis (production) and the database (embedded)."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from scheduler.leases import LeaseStore, RedisLeaseStore, SqlLeaseStore
+
+
+@pytest.fixture(params=["redis", "sql"])
+def store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LeaseStore]:
+    if request.param == "redis":
+        url = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379") + "/10"
+        yield RedisLeaseStore(url, namespace=f"t-{uuid.uuid4().hex[:8]}")
+        return
+    from storage import db, settings
+
+    home = tmp_path_factory.mktemp("leases")
+    os.environ["BACKFILL_HOME"] = str(home)
+    os.environ.pop("BACKFILL_DATABASE_URL", None)
+    settings.get_settings.cache_clear()
+    db.get_engine.cache_clear()
+    db._session_factory.cache_clear()
+    from backfill.migrate import upgrade
+
+    upgrade()
+    yield SqlLeaseStore()
+    settings.get_settings.cache_clear()
+    db.get_engine.cache_clear()
+    db._session_factory.cache_clear()
+
+
+def test_limit_is_shared_and_leases_lapse(store: LeaseStore) -> None:
+    first = store.acquire("p", limit=3, n=2, ttl_s=0.6)
+    second = store.acquire("p", limit=3, n=5, ttl_s=0.6)
+    assert len(first) == 2 and len(second) == 1
+    assert store.acquire("p", limit=3, n=1, ttl_s=0.6) == []
+    assert store.count("p") == 3
+    store.release("p", second)
+    assert store.count("p") == 2
+    store.renew("p", first[:1], ttl_s=5)
+    time.sleep(0.8)  # the unrenewed lease lapses by itself, as a dead worker's would
+    assert store.count("p") == 1
+    assert len(store.acquire("p", limit=3, n=5, ttl_s=5)) == 2
+
+
+def test_heartbeats_and_published_values_expire(store: LeaseStore) -> None:
+    store.heartbeat("w1", ttl_s=0.5)
+    store.heartbeat("w2", ttl_s=5)
+    assert store.alive(["w1", "w2", "w3"]) == {"w1", "w2"}
+    store.publish("limit:fleet", "17", ttl_s=0.5)
+    assert store.read("limit:fleet") == "17"
+    time.sleep(0.7)
+    assert store.alive(["w1", "w2"]) == {"w2"}
+    assert store.read("limit:fleet") is None
