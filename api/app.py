@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from api.errors import install_error_handlers
+from api.limits import BodyLimit
 from api.routes import admin, batches, files, models, usage
 from jobs.teams import ensure_key
 from storage.db import unit_of_work
@@ -29,6 +30,7 @@ def create_app(*, enqueue_validation: Callable[[str], None] | None = None) -> Fa
     app = FastAPI(title="backfill", version="0.1.0", docs_url="/docs", redoc_url=None)
     app.state.enqueue_validation = enqueue_validation
     install_error_handlers(app)
+    app.add_middleware(BodyLimit)
     for module in (files, batches, models, usage, admin):
         app.include_router(module.router)
 

@@ -141,3 +141,20 @@ def test_file_expiry_and_models(client) -> None:
     models = client.models.list()
     assert "tiny-chat" in [m.id for m in models.data]
     assert client.models.retrieve("tiny-chat").id == "tiny-chat"
+
+
+def test_oversize_json_body_is_refused(stack) -> None:
+    h = {"Authorization": f"Bearer {stack.key}"}
+    huge = {"input_file_id": "file-x", "endpoint": "/v1/chat/completions", "completion_window": "24h",
+            "metadata": {"k": "v" * (2 * 1024 * 1024)}}
+    err = _envelope(httpx.post(stack.base_url + "/batches", headers=h, json=huge), 413)
+    assert err["code"] == "request_too_large"
+
+    def chunked():  # no Content-Length: the cap holds while the body streams in
+        yield b'{"metadata": {"k": "'
+        for _ in range(3):
+            yield b"v" * (1024 * 1024)
+        yield b'"}}'
+
+    r = httpx.post(stack.base_url + "/batches", headers={**h, "Content-Type": "application/json"}, content=chunked())
+    assert _envelope(r, 413)["code"] == "request_too_large"
