@@ -10,7 +10,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 MAX_JSON_BODY = 1024 * 1024
 
 
-class _TooLarge(BaseException):  # noqa: N818 - not an Exception: body parsers must not swallow it
+class _TooLarge(BaseException):
     """Raised out of `receive`; BaseException so FastAPI's body parser does not turn it into a 400."""
 
 

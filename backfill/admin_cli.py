@@ -361,7 +361,7 @@ def usage(
             by_team=True,
             by_model=True,
         )
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "day": t.bucket_start.date().isoformat(),
             "team_id": t.team_id,
@@ -384,12 +384,6 @@ def usage(
         writer.writerows(rows)
         return
     if not as_json and rows:
-        rows.append(
-            {
-                "day": "total",
-                "requests": sum(r["requests"] for r in rows),
-                **{k: sum(r[k] for r in rows) for k in USAGE_COLUMNS[4:8]},
-                "cost": format_micros(sum(r["cost_micros"] for r in rows)),
-            }
-        )
+        total: dict[str, Any] = {k: sum(int(r[k]) for r in rows) for k in (*USAGE_COLUMNS[3:8], "cost_micros")}
+        rows.append({**total, "day": "total", "cost": format_micros(total["cost_micros"])})
     _emit(rows, as_json=as_json, title=f"usage, last {days} days ({CURRENCY})", columns=USAGE_COLUMNS)

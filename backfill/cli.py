@@ -8,6 +8,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Annotated
@@ -66,7 +67,8 @@ def worker(
 
 @app.command()
 def scheduler() -> None:
-    """Run the scheduler loop (expiry, cancellation, reclaim, finalization, drains)."""
+    """Run the scheduler loop (expiry, cancellation, reclaim, finalization, drains) and, with
+    BACKFILL_CAPACITY_CONTROL on, the capacity controller that publishes the lease limit."""
     from scheduler.celery_app import celery_app
     from scheduler.leases import get_lease_store
     from scheduler.ticker import Ticker
@@ -81,10 +83,24 @@ def scheduler() -> None:
         enqueue=lambda name, args: celery_app.send_task(name, args=list(args)),
         drains=s.drains,
     )
+    # The capacity controller beside the ticker: if this process dies, the limit it published
+    # lapses and admission falls back to the floor (fail closed).
+    control_stop = threading.Event()
+    control: threading.Thread | None = None
+    if s.capacity_control:
+        from scheduler.runtime import make_capacity_loop
+
+        loop = make_capacity_loop(s)
+        control = threading.Thread(target=loop.run, args=(control_stop,), name="capacity", daemon=True)
+        control.start()
     try:
         ticker.run_forever(s.tick_interval_s, stop=lambda: stopping["flag"])
     except KeyboardInterrupt:
         pass
+    finally:
+        control_stop.set()
+        if control is not None:
+            control.join(timeout=5)
 
 
 def _bootstrap_key(home: Path) -> str:

@@ -43,6 +43,8 @@ class Window:
 
 
 def _window(start_time: int, end_time: int | None, width_s: int, limit: int, page: str | None) -> Window:
+    # Buckets sit on the UTC grid of their width (days start at 00:00 UTC), so a bucket means the
+    # same interval whatever start_time a caller picks; the page cursor is the next bucket's start.
     start = align(from_unix(start_time, param="start_time"), width_s)
     end = from_unix(end_time, param="end_time") if end_time is not None else utcnow()
     if end <= start:
