@@ -12,6 +12,7 @@ transaction that stores the request's result under a compare-and-set; the unique
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal, InvalidOperation
@@ -23,7 +24,7 @@ from sqlalchemy.orm import Session
 from jobs.billing_models import Price, UsageLedgerEntry
 from jobs.errors import InvalidRequest
 from jobs.execution import Outcome, on_result
-from jobs.models import Batch, BatchRequest, utcnow
+from jobs.models import Batch, utcnow
 
 log = logging.getLogger("backfill.billing")
 
@@ -194,55 +195,59 @@ def _batch_price(session: Session, batch: Batch) -> Price | None:
     return cache[batch.id]
 
 
-def _insert_ignoring_duplicates(session: Session, values: dict[str, Any]) -> None:
+def _insert_ignoring_duplicates(session: Session, rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
     if session.get_bind().dialect.name == "postgresql":
         from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-        session.execute(
-            pg_insert(UsageLedgerEntry).values(**values).on_conflict_do_nothing(constraint="uq_usage_ledger_request")
-        )
+        session.execute(pg_insert(UsageLedgerEntry).on_conflict_do_nothing(constraint="uq_usage_ledger_request"), rows)
     else:
         from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
         session.execute(
-            sqlite_insert(UsageLedgerEntry).values(**values).on_conflict_do_nothing(index_elements=["batch_id", "line"])
+            sqlite_insert(UsageLedgerEntry).on_conflict_do_nothing(index_elements=["batch_id", "line"]), rows
         )
 
 
 @on_result
-def record_usage(session: Session, batch: Batch, request: BatchRequest, outcome: Outcome) -> None:
-    """Ledger entry for one executed request. Failed requests (4xx, retries exhausted) cost nothing;
-    cancelled and expired lines never reach `record_outcome`."""
-    if not outcome.succeeded:
-        return
-    usage = outcome.usage
+def record_usage(session: Session, batch: Batch, results: Sequence[tuple[int, Outcome]]) -> None:
+    """Ledger entries for executed requests, one per line. Failed requests (4xx, retries
+    exhausted) cost nothing; cancelled and expired lines never reach `record_outcomes`."""
     price = _batch_price(session, batch)
-    cost = (
-        price_request(
-            rates_of(price),
-            prompt_tokens=usage.prompt_tokens,
-            cached_tokens=usage.cached_tokens,
-            completion_tokens=usage.completion_tokens,
+    rates = rates_of(price) if price is not None else None
+    now = utcnow()
+    rows = []
+    for line, outcome in results:
+        if not outcome.succeeded:
+            continue
+        usage = outcome.usage
+        cost = (
+            price_request(
+                rates,
+                prompt_tokens=usage.prompt_tokens,
+                cached_tokens=usage.cached_tokens,
+                completion_tokens=usage.completion_tokens,
+            )
+            if rates is not None
+            else Cost()
         )
-        if price is not None
-        else Cost()
-    )
-    _insert_ignoring_duplicates(
-        session,
-        {
-            "batch_id": batch.id,
-            "line": request.line,
-            "team_id": batch.team_id,
-            "model": batch.model or "",
-            "prompt_tokens": usage.prompt_tokens,
-            "cached_tokens": usage.cached_tokens,
-            "completion_tokens": usage.completion_tokens,
-            "reasoning_tokens": usage.reasoning_tokens,
-            "price_version": price.id if price is not None else None,
-            "input_cost_micros": cost.input_micros,
-            "cached_input_cost_micros": cost.cached_input_micros,
-            "output_cost_micros": cost.output_micros,
-            "cost_micros": cost.total_micros,
-            "recorded_at": utcnow(),
-        },
-    )
+        rows.append(
+            {
+                "batch_id": batch.id,
+                "line": line,
+                "team_id": batch.team_id,
+                "model": batch.model or "",
+                "prompt_tokens": usage.prompt_tokens,
+                "cached_tokens": usage.cached_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "reasoning_tokens": usage.reasoning_tokens,
+                "price_version": price.id if price is not None else None,
+                "input_cost_micros": cost.input_micros,
+                "cached_input_cost_micros": cost.cached_input_micros,
+                "output_cost_micros": cost.output_micros,
+                "cost_micros": cost.total_micros,
+                "recorded_at": now,
+            }
+        )
+    _insert_ignoring_duplicates(session, rows)

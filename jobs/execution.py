@@ -53,8 +53,9 @@ class Outcome:
         return 200 <= self.status_code < 300
 
 
-# Billing and other observers record inside the same transaction as the result.
-ResultHook = Callable[[Session, Batch, BatchRequest, Outcome], None]
+# Billing and other observers record inside the same transaction as the results: called once
+# per batch per group with the (line, outcome) pairs whose compare-and-set succeeded.
+ResultHook = Callable[[Session, Batch, Sequence[tuple[int, Outcome]]], None]
 _result_hooks: list[ResultHook] = []
 
 
@@ -163,53 +164,67 @@ def claim_requests(
 
 def record_outcome(session: Session, *, batch_id: str, line: int, claim_token: str, outcome: Outcome) -> bool:
     """Store the fleet's final answer once. False if this claim no longer owns the line."""
+    return record_outcomes(session, claim_token=claim_token, results=[(batch_id, line, outcome)]) == 1
+
+
+def record_outcomes(
+    session: Session, *, claim_token: str, results: Sequence[tuple[str, int, Outcome]]
+) -> int:
+    """Store a group of final answers, each exactly once; returns how many this claim still owned.
+
+    Lines are written in (batch, line) order and each batch's counters once per group, so
+    concurrent drains take row locks in one order and a group costs one counter update per batch.
+    """
+    recorded: dict[str, list[tuple[int, Outcome]]] = {}
     now = utcnow()
-    state = RequestState.succeeded if outcome.succeeded else RequestState.failed
-    u = outcome.usage if outcome.succeeded else Usage()  # a failed request costs nothing
-    result = session.execute(
-        update(BatchRequest)
-        .where(
-            BatchRequest.batch_id == batch_id,
-            BatchRequest.line == line,
-            BatchRequest.state == RequestState.running,
-            BatchRequest.claim_token == claim_token,
+    for batch_id, line, outcome in sorted(results, key=lambda r: (r[0], r[1])):
+        u = outcome.usage if outcome.succeeded else Usage()  # a failed request costs nothing
+        result = session.execute(
+            update(BatchRequest)
+            .where(
+                BatchRequest.batch_id == batch_id,
+                BatchRequest.line == line,
+                BatchRequest.state == RequestState.running,
+                BatchRequest.claim_token == claim_token,
+            )
+            .values(
+                state=RequestState.succeeded if outcome.succeeded else RequestState.failed,
+                result_id=new_id(),
+                status_code=outcome.status_code,
+                request_id=outcome.request_id,
+                response_body=outcome.body.decode(),
+                prompt_tokens=u.prompt_tokens,
+                cached_tokens=u.cached_tokens,
+                completion_tokens=u.completion_tokens,
+                reasoning_tokens=u.reasoning_tokens,
+                finished_at=now,
+                claim_token=None,
+            )
+            .execution_options(synchronize_session=False)
         )
-        .values(
-            state=state,
-            result_id=new_id(),
-            status_code=outcome.status_code,
-            request_id=outcome.request_id,
-            response_body=outcome.body.decode(),
-            prompt_tokens=u.prompt_tokens,
-            cached_tokens=u.cached_tokens,
-            completion_tokens=u.completion_tokens,
-            reasoning_tokens=u.reasoning_tokens,
-            finished_at=now,
-            claim_token=None,
+        if result.rowcount == 1:  # type: ignore[attr-defined]
+            recorded.setdefault(batch_id, []).append((line, outcome))
+    for batch_id, items in recorded.items():
+        ok = [o.usage for _, o in items if o.succeeded]
+        session.execute(
+            update(Batch)
+            .where(Batch.id == batch_id)
+            .values(
+                completed=Batch.completed + len(ok),
+                failed=Batch.failed + (len(items) - len(ok)),
+                input_tokens=Batch.input_tokens + sum(u.prompt_tokens for u in ok),
+                cached_tokens=Batch.cached_tokens + sum(u.cached_tokens for u in ok),
+                output_tokens=Batch.output_tokens + sum(u.completion_tokens for u in ok),
+                reasoning_tokens=Batch.reasoning_tokens + sum(u.reasoning_tokens for u in ok),
+            )
+            .execution_options(synchronize_session=False)
         )
-        .execution_options(synchronize_session=False)
-    )
-    if result.rowcount != 1:  # type: ignore[attr-defined]
-        return False
-    counters: dict[str, Any] = (
-        {
-            "completed": Batch.completed + 1,
-            "input_tokens": Batch.input_tokens + u.prompt_tokens,
-            "cached_tokens": Batch.cached_tokens + u.cached_tokens,
-            "output_tokens": Batch.output_tokens + u.completion_tokens,
-            "reasoning_tokens": Batch.reasoning_tokens + u.reasoning_tokens,
-        }
-        if outcome.succeeded
-        else {"failed": Batch.failed + 1}
-    )
-    session.execute(update(Batch).where(Batch.id == batch_id).values(**counters))
-    if _result_hooks:
-        batch = session.get(Batch, batch_id)
-        request = session.get(BatchRequest, (batch_id, line))
-        assert batch is not None and request is not None
-        for hook in _result_hooks:
-            hook(session, batch, request, outcome)
-    return True
+        if _result_hooks:
+            batch = session.get(Batch, batch_id)
+            assert batch is not None
+            for hook in _result_hooks:
+                hook(session, batch, items)
+    return sum(len(items) for items in recorded.values())
 
 
 def release_for_retry(session: Session, *, batch_id: str, line: int, claim_token: str, not_before: datetime) -> bool:

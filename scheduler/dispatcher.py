@@ -24,6 +24,7 @@ from jobs import execution
 from jobs.execution import ClaimedRequest, Outcome
 from jobs.models import utcnow
 from scheduler.admission import POOL, Admission, Observation
+from scheduler.capacity import shed_count
 from scheduler.fleet import FleetClient, FleetReply
 from scheduler.leases import LeaseStore
 from storage.db import unit_of_work
@@ -40,7 +41,7 @@ BACKOFF_BASE_S, BACKOFF_CAP_S = 1.0, 60.0
 @dataclass
 class _Done:
     request: ClaimedRequest
-    reply: FleetReply
+    reply: FleetReply | None  # None: aborted to give capacity back; requeued, no attempt spent
 
 
 # Routing hints backfill may add to a body (nothing else of the client's body is touched).
@@ -79,7 +80,9 @@ class Dispatcher:
         self._held: dict[str, str] = {}  # lease id -> its pool, for renewal
         self._results: asyncio.Queue[_Done | None] = asyncio.Queue()
         self._inflight: set[asyncio.Task[None]] = set()
+        self._calls: dict[asyncio.Task[FleetReply], float] = {}  # in-flight fleet calls, by start time
         self.sent = 0
+        self.aborted = 0
 
     async def run(self, slice_s: float, *, max_drains: int) -> int:
         """Work for about `slice_s` seconds (or until no work is left); returns requests sent.
@@ -94,14 +97,17 @@ class Dispatcher:
         await asyncio.to_thread(self.leases.heartbeat, self.holder, ttl_s=self.admission.ttl_s)
         keepalive = asyncio.create_task(self._keepalive())
         writer = asyncio.create_task(self._write_results())
+        watcher = asyncio.create_task(self._watch_shed())
         try:
             await self._release_loop(time.monotonic() + slice_s)
             if self._inflight:
                 await asyncio.gather(*self._inflight, return_exceptions=True)
         finally:
+            watcher.cancel()
             await self._results.put(None)
             await writer
             keepalive.cancel()
+            await asyncio.to_thread(self.admission.flush_observations, 0.0)
             await asyncio.to_thread(self.leases.release, DRAIN_POOL, slot)
         return self.sent
 
@@ -130,13 +136,37 @@ class Dispatcher:
                 self._inflight.add(task)
                 task.add_done_callback(self._inflight.discard)
 
+    async def _watch_shed(self, every_s: float = 0.1) -> None:
+        """Abort this drain's share of in-flight requests above the controller's shed target,
+        youngest first (they have the least work to lose), and pass observations on."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await asyncio.to_thread(self.admission.flush_observations)
+                target = await asyncio.to_thread(self.admission.shed_target)
+                if target is None or not self._calls:
+                    continue
+                total = await asyncio.to_thread(self.leases.count, POOL)
+                k = shed_count(total, target, len(self._calls))
+                if k:
+                    youngest = sorted(self._calls, key=self._calls.__getitem__, reverse=True)[:k]
+                    for call in youngest:
+                        self._calls.pop(call, None)  # counted once, even if the abort is slow
+                        call.cancel()
+                    log.info("shed %d in-flight requests (fleet %d > target %d)", k, total, target)
+            except Exception:
+                log.warning("shed check failed", exc_info=True)
+
     def _claim(self, n: int) -> list[ClaimedRequest]:
+        # The plan may list more than n (a tail in priority order): a batch whose lines are all
+        # running or backing off yields fewer than planned, and the next one fills in.
         out: list[ClaimedRequest] = []
         for batch_id, k in self.planner(n):
-            with unit_of_work() as session:
-                out += execution.claim_requests(session, batch_id=batch_id, limit=k, claim_token=self.holder)
-            if len(out) >= n:
+            want = min(k, n - len(out))
+            if want <= 0:
                 break
+            with unit_of_work() as session:
+                out += execution.claim_requests(session, batch_id=batch_id, limit=want, claim_token=self.holder)
         return out
 
     def _load_bodies(self, claimed: list[ClaimedRequest]) -> dict[int, bytes]:
@@ -159,15 +189,40 @@ class Dispatcher:
         return out
 
     async def _send(self, request: ClaimedRequest, lease: str, raw: bytes) -> None:
+        reply: FleetReply | None
+        call: asyncio.Task[FleetReply] | None = None
         try:
             body = orjson.loads(raw)["body"]
-            reply = await self.fleet.post(request.endpoint, add_routing_hints(body, self.hint_mode))
+            # Only the fleet call itself can be shed; recording the outcome always runs.
+            call = asyncio.create_task(self.fleet.post(request.endpoint, add_routing_hints(body, self.hint_mode)))
+            self._calls[call] = time.monotonic()
+            reply = await call
             self.sent += 1
-            self.admission.observe(Observation(reply.status_code, reply.latency_s, reply.transient))
+            usage = (
+                execution.usage_from_body(execution.normalise_body(reply.body)[1]) if reply.status_code == 200 else None
+            )
+            self.admission.observe(
+                Observation(
+                    reply.status_code,
+                    reply.latency_s,
+                    reply.transient,
+                    prompt_tokens=usage.prompt_tokens if usage else 0,
+                    completion_tokens=usage.completion_tokens if usage else 0,
+                )
+            )
+        except asyncio.CancelledError:
+            if call is None or not call.cancelled():
+                raise
+            # Shed by the capacity controller: closing the connection makes the fleet drop the
+            # request and free its KV cache; the line goes back to pending.
+            reply = None
+            self.aborted += 1
         except Exception as exc:
             log.exception("sending line %s of batch %s failed", request.line, request.batch_id)
             reply = FleetReply(500, orjson.dumps({"error": {"message": repr(exc)}}), None, 0.0, transient=True)
         finally:
+            if call is not None:
+                self._calls.pop(call, None)
             self._held.pop(lease, None)
             await self.admission.release([lease])
         await self._results.put(_Done(request, reply))
@@ -204,9 +259,13 @@ class Dispatcher:
                 time.sleep(0.05 * (attempt + 1))
 
     def _commit(self, group: list[_Done]) -> None:
+        finished: list[tuple[str, int, Outcome]] = []
         with unit_of_work() as session:
             for done in group:
                 r, reply = done.request, done.reply
+                if reply is None:
+                    execution.requeue_unstarted(session, batch_id=r.batch_id, lines=[r.line], claim_token=self.holder)
+                    continue
                 if reply.transient and r.attempts + 1 < self.max_attempts:
                     delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**r.attempts) * random.uniform(0.5, 1.0)
                     execution.release_for_retry(
@@ -218,18 +277,14 @@ class Dispatcher:
                     )
                     continue
                 body, parsed = execution.normalise_body(reply.body)
-                execution.record_outcome(
-                    session,
-                    batch_id=r.batch_id,
-                    line=r.line,
-                    claim_token=self.holder,
-                    outcome=Outcome(
-                        status_code=reply.status_code,
-                        body=body,
-                        request_id=reply.request_id or (parsed.get("id") if isinstance(parsed, dict) else None),
-                        usage=execution.usage_from_body(parsed),
-                    ),
+                outcome = Outcome(
+                    status_code=reply.status_code,
+                    body=body,
+                    request_id=reply.request_id or (parsed.get("id") if isinstance(parsed, dict) else None),
+                    usage=execution.usage_from_body(parsed),
                 )
+                finished.append((r.batch_id, r.line, outcome))
+            execution.record_outcomes(session, claim_token=self.holder, results=finished)
 
     async def _keepalive(self) -> None:
         period = self.admission.ttl_s / 3

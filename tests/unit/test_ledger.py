@@ -116,7 +116,7 @@ def test_each_request_is_billed_once_at_the_price_of_its_batch(db: sessionmaker[
         # Even the hook itself run twice cannot write a second row: the unique constraint holds.
         batch = s.get(Batch, batch_id)
         assert batch is not None
-        billing.record_usage(s, batch, s.get(BatchRequest, (batch_id, 1)), _ok(4077, 4032, 4))  # type: ignore[arg-type]
+        billing.record_usage(s, batch, [(1, _ok(4077, 4032, 4))])
     with db() as s:
         rows = {r.line: r for r in s.execute(select(UsageLedgerEntry)).scalars()}
         batch = s.get(Batch, batch_id)
