@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
+from urllib.parse import quote
 
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
@@ -110,6 +111,12 @@ def delete_file(file_id: str, principal: CurrentPrincipal) -> dict[str, Any]:
         return {"id": file_id_out(row.id), "object": "file", "deleted": True}
 
 
+def _attachment(filename: str) -> str:
+    # The name is the client's: quote it (RFC 6266) so it can never break out of the header.
+    ascii_name = "".join(c if c.isascii() and c.isprintable() and c not in '"\\' else "_" for c in filename)
+    return f"attachment; filename=\"{ascii_name}\"; filename*=UTF-8''{quote(filename, safe='')}"
+
+
 @router.get("/{file_id}/content")
 def file_content(file_id: str, principal: CurrentPrincipal) -> StreamingResponse:
     with unit_of_work() as session:
@@ -121,5 +128,5 @@ def file_content(file_id: str, principal: CurrentPrincipal) -> StreamingResponse
     return StreamingResponse(
         chunks,
         media_type="application/jsonl" if row.filename.endswith(".jsonl") else "application/octet-stream",
-        headers={"Content-Length": str(row.bytes), "Content-Disposition": f'attachment; filename="{row.filename}"'},
+        headers={"Content-Length": str(row.bytes), "Content-Disposition": _attachment(row.filename)},
     )

@@ -158,3 +158,14 @@ def test_oversize_json_body_is_refused(stack) -> None:
 
     r = httpx.post(stack.base_url + "/batches", headers={**h, "Content-Type": "application/json"}, content=chunked())
     assert _envelope(r, 413)["code"] == "request_too_large"
+
+
+def test_hostile_filename_cannot_break_headers(client, stack) -> None:
+    name = 'evil"\r\nX-Injected: 1\u00e9.jsonl'
+    f = client.files.create(file=(name, b"{}\n"), purpose="batch")
+    assert f.filename.startswith("evil") and f.filename.endswith("1\u00e9.jsonl")  # the SDK escapes " and CRLF
+    r = httpx.get(f"{stack.base_url}/files/{f.id}/content", headers={"Authorization": f"Bearer {stack.key}"})
+    assert r.status_code == 200 and r.content == b"{}\n"
+    assert "x-injected" not in r.headers
+    assert r.headers["content-disposition"].startswith('attachment; filename="evil')
+    assert "\r" not in r.headers["content-disposition"] and "\n" not in r.headers["content-disposition"]
