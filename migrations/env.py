@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from alembic import context
 
-import jobs.billing_models  # noqa: F401 - registers the billing tables
+import jobs.billing_models  # registers the billing tables
 import jobs.models  # noqa: F401 - registers the tables on Base.metadata
 from storage.db import Base, get_engine
 
