@@ -41,11 +41,15 @@ def batch_body(i: int, salt: str, model: str) -> dict[str, Any]:
     }
 
 
-async def _lag_probe(samples: list[float], stop: asyncio.Event, every_s: float = 0.05) -> None:
+async def _lag_probe(samples: list[float], spikes: list[tuple[float, float]], stop: asyncio.Event) -> None:
+    every_s = 0.05
     while not stop.is_set():
         t = time.perf_counter()
         await asyncio.sleep(every_s)
-        samples.append(time.perf_counter() - t - every_s)
+        lag = time.perf_counter() - t - every_s
+        samples.append(lag)
+        if lag > 0.02:
+            spikes.append((time.time(), lag))
 
 
 async def _turn(
@@ -65,7 +69,9 @@ async def _turn(
     usage: dict[str, Any] = {}
     status = 0
     try:
-        async with client.stream("POST", url, content=orjson.dumps(body), headers={"Content-Type": "application/json"}) as r:
+        async with client.stream(
+            "POST", url, content=orjson.dumps(body), headers={"Content-Type": "application/json"}
+        ) as r:
             status = r.status_code
             if status != 200:
                 await r.aread()
@@ -84,11 +90,12 @@ async def _turn(
                         last = now
                         chunks += 1
     except httpx.HTTPError as exc:
-        return {"sent": sent, "status": 599, "error": repr(exc)[:200]}
+        return {"sent": sent, "end": time.time(), "status": 599, "error": repr(exc)[:200]}
     ttft = (first - t0) if first is not None else None
     itl = ((last - first) / (chunks - 1)) if first is not None and last is not None and chunks > 1 else None
     return {
         "sent": sent,
+        "end": time.time(),
         "status": status,
         "ttft": ttft,
         "itl": itl,
@@ -103,6 +110,7 @@ async def run_interactive(base_url: str, model: str, spec: TraceSpec, salt: str,
     sessions = build_trace(spec)
     records: list[dict[str, Any]] = []
     lag: list[float] = []
+    spikes: list[tuple[float, float]] = []
     stop = asyncio.Event()
     url = base_url + "/chat/completions"
     system = system_prompt(spec, salt)
@@ -120,7 +128,10 @@ async def run_interactive(base_url: str, model: str, spec: TraceSpec, salt: str,
 
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
-        probe = asyncio.create_task(_lag_probe(lag, stop))
+        # The agents' shared instructions are hot in a running fleet: warm them (not recorded).
+        warm = [{"role": "system", "content": system}, {"role": "user", "content": "ready"}]
+        await asyncio.gather(*(_turn(client, url, model, warm, 1) for _ in range(4)))
+        probe = asyncio.create_task(_lag_probe(lag, spikes, stop))
         await asyncio.gather(*(play(client, s) for s in sessions))
         stop.set()
         await probe
@@ -129,10 +140,13 @@ async def run_interactive(base_url: str, model: str, spec: TraceSpec, salt: str,
         "requests": records,
         "loop_lag_p99_s": lag[int(0.99 * (len(lag) - 1))] if lag else 0.0,
         "loop_lag_max_s": lag[-1] if lag else 0.0,
+        "loop_lag_spikes": spikes,
     }
 
 
-async def run_naive(base_url: str, model: str, concurrency: int, salt: str, t_start: float, t_end: float) -> dict[str, Any]:
+async def run_naive(
+    base_url: str, model: str, concurrency: int, salt: str, t_start: float, t_end: float
+) -> dict[str, Any]:
     """Fixed concurrency from t_start to t_end; requests still running at t_end are dropped."""
     done: list[tuple[float, int, int]] = []  # (finished, status, completion tokens)
     inflight = {"n": 0}
@@ -146,7 +160,11 @@ async def run_naive(base_url: str, model: str, concurrency: int, salt: str, t_st
             inflight["n"] += 1
             try:
                 r = await client.post(url, content=orjson.dumps(body), headers={"Content-Type": "application/json"})
-                tokens = (orjson.loads(r.content).get("usage") or {}).get("completion_tokens", 0) if r.status_code == 200 else 0
+                tokens = (
+                    (orjson.loads(r.content).get("usage") or {}).get("completion_tokens", 0)
+                    if r.status_code == 200
+                    else 0
+                )
                 done.append((time.time(), r.status_code, int(tokens)))
             except httpx.HTTPError:
                 done.append((time.time(), 599, 0))

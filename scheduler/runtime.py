@@ -6,14 +6,18 @@ import time
 from collections.abc import Callable
 from functools import lru_cache
 
+from sqlalchemy import select
+
 from jobs import execution
 from jobs.execution import PendingBatch
-from jobs.models import utcnow
-from scheduler import policy
-from scheduler.admission import Admission
-from scheduler.leases import get_lease_store
+from jobs.models import Team, utcnow
+from scheduler.admission import Admission, ObservationLog
+from scheduler.capacity import CapacityLoop, ControlConfig, Controller, Slo
+from scheduler.leases import LeaseStore, get_lease_store
+from scheduler.policy import FairPlanner, PolicyConfig
+from scheduler.telemetry import FleetTelemetry, KvModel, parse_endpoints
 from storage.db import unit_of_work
-from storage.settings import get_settings
+from storage.settings import Settings, get_settings
 
 
 @lru_cache
@@ -28,16 +32,70 @@ def get_admission() -> Admission:
     )
 
 
-def make_planner(refresh_s: float = 0.5) -> Callable[[int], list[tuple[str, int]]]:
-    """The dispatch policy over a briefly cached view of the batches with work left, so a
-    release decision costs no scan of the pending lines."""
-    cache: dict[str, tuple[float, list[PendingBatch]]] = {}
+def make_planner(refresh_s: float = 0.5, admission: Admission | None = None) -> Callable[[int], list[tuple[str, int]]]:
+    """The dispatch policy over a briefly cached view of the batches with work left (their
+    counters, their teams' weights, the fleet's batch throughput), so a release decision costs
+    no scan of the pending lines."""
+    admission = admission or get_admission()
+    planner = FairPlanner(PolicyConfig(guaranteed_share=get_settings().deadline_guaranteed_share))
+    cache: dict[str, tuple[float, list[PendingBatch], dict[str, float], float | None]] = {}
+    local_rate = rate_meter(admission.log)
 
-    def planner(slots: int) -> list[tuple[str, int]]:
+    def refresh() -> tuple[list[PendingBatch], dict[str, float], float | None]:
+        with unit_of_work() as session:
+            pending = execution.pending_batches(session)
+            teams = {b.team_id for b in pending}
+            weights = (
+                {t: float(w) for t, w in session.execute(select(Team.id, Team.weight).where(Team.id.in_(teams)))}
+                if teams
+                else {}
+            )
+        return pending, weights, admission.batch_rate() or local_rate()
+
+    def plan(slots: int) -> list[tuple[str, int]]:
         now = time.monotonic()
         if "v" not in cache or now - cache["v"][0] > refresh_s:
-            with unit_of_work() as session:
-                cache["v"] = (now, execution.pending_batches(session))
-        return policy.plan(cache["v"][1], slots, now=utcnow())
+            cache["v"] = (now, *refresh())
+        _, pending, weights, rate = cache["v"]
+        return planner.plan(pending, slots, now=utcnow(), weights=weights, rate_tokens_s=rate)
 
-    return planner
+    return plan
+
+
+def rate_meter(log: ObservationLog, every_s: float = 0.5) -> Callable[[], float | None]:
+    """Batch tokens/s from the observation counters, for when no controller publishes a rate."""
+    state: dict[str, float] = {}
+
+    def rate() -> float | None:
+        now = time.monotonic()
+        totals = log.totals()
+        tokens = totals["prompt_tokens"] + totals["completion_tokens"]
+        if "t" not in state:
+            state.update(t=now, tokens=tokens)
+        elif now - state["t"] >= every_s:
+            r = (tokens - state["tokens"]) / (now - state["t"])
+            state["rate"] = r if "rate" not in state else 0.7 * state["rate"] + 0.3 * r
+            state.update(t=now, tokens=tokens)
+        return state.get("rate")
+
+    return rate
+
+
+def control_config(s: Settings) -> ControlConfig:
+    return ControlConfig(
+        slo=Slo(ttft_s=s.slo_ttft_s, itl_s=s.slo_itl_s),
+        floor=s.capacity_floor,
+        ceiling=s.capacity_ceiling or s.max_inflight,
+        period_s=s.control_period_s,
+        idle_target=s.capacity_idle_target,
+        kv=KvModel(bytes_per_token=s.kv_bytes_per_token, budget_bytes=s.kv_budget_bytes),
+    )
+
+
+def make_capacity_loop(settings: Settings | None = None, leases: LeaseStore | None = None) -> CapacityLoop:
+    """The controller over the first configured deployment (one lease pool per fleet)."""
+    s = settings or get_settings()
+    deployments = parse_endpoints(s.fleet_metrics_spec)
+    if not deployments:
+        raise ValueError("capacity control needs fleet telemetry: set BACKFILL_FLEET_METRICS_URLS")
+    return CapacityLoop(Controller(control_config(s)), FleetTelemetry(deployments[0]), leases or get_lease_store())

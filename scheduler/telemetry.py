@@ -36,11 +36,38 @@ F_TOTAL_BLOCKS = "dynamo_frontend_model_total_kv_blocks"
 F_BLOCK_SIZE = "dynamo_frontend_model_kv_cache_block_size"
 F_MAX_SEQS = "dynamo_frontend_model_max_num_seqs"
 F_REJECTED = "dynamo_frontend_router_admission_rejected_total"
+F_STARTED = "dynamo_frontend_requests_started_total"
+F_FINISHED = "dynamo_frontend_requests_total"
+# Batch lines never stream (validation refuses `stream: true`), so streamed requests in flight
+# at the frontend are interactive ones, counted without any lag from the batch side's churn.
+STREAM_LABEL = 'request_type="stream"'
 
-_WORKER_NAMES = (KV_USAGE, RUNNING, WAITING, PREEMPTIONS, f"{W_ITL}_sum", f"{W_ITL}_count", f"{W_TTFT}_sum",
-                 f"{W_TTFT}_count")
-_FRONTEND_NAMES = (F_INFLIGHT, F_QUEUED, f"{F_ITL}_sum", f"{F_ITL}_count", f"{F_TTFT}_sum", f"{F_TTFT}_count",
-                   F_DECODE_BLOCKS, F_PREFILL_TOKENS, F_TOTAL_BLOCKS, F_BLOCK_SIZE, F_MAX_SEQS, F_REJECTED)
+_WORKER_NAMES = (
+    KV_USAGE,
+    RUNNING,
+    WAITING,
+    PREEMPTIONS,
+    f"{W_ITL}_sum",
+    f"{W_ITL}_count",
+    f"{W_TTFT}_sum",
+    f"{W_TTFT}_count",
+)
+_FRONTEND_NAMES = (
+    F_INFLIGHT,
+    F_QUEUED,
+    f"{F_ITL}_sum",
+    f"{F_ITL}_count",
+    f"{F_TTFT}_sum",
+    f"{F_TTFT}_count",
+    F_DECODE_BLOCKS,
+    F_PREFILL_TOKENS,
+    F_TOTAL_BLOCKS,
+    F_BLOCK_SIZE,
+    F_MAX_SEQS,
+    F_REJECTED,
+    F_STARTED,
+    F_FINISHED,
+)
 
 
 def parse_prometheus(text: str, names: Collection[str] | None = None) -> dict[str, list[tuple[str, float]]]:
@@ -167,6 +194,8 @@ class FrontendStats:
     kv_tokens_per_worker: int  # total blocks x block size, as the frontend reports them
     max_num_seqs: int
     rejected: int  # admission rejections since the previous scrape
+    streaming: int  # streamed requests in flight
+    stream_arrivals: int  # streamed requests started since the previous scrape
 
 
 @dataclass(frozen=True)
@@ -235,6 +264,7 @@ class FleetTelemetry:
     _client: httpx.Client | None = None
     _windows: dict[tuple[str, str], _Counter] = field(default_factory=dict)
     _last_rejected: float | None = None
+    _last_stream_started: float | None = None
     _last_preempted: dict[str, float] = field(default_factory=dict)
 
     def _get(self, url: str) -> str | None:
@@ -273,6 +303,9 @@ class FleetTelemetry:
         rejected_total = _total(s, F_REJECTED) or 0.0
         rejected = 0 if self._last_rejected is None else max(0, int(rejected_total - self._last_rejected))
         self._last_rejected = rejected_total
+        started = sum(v for labels, v in s.get(F_STARTED, []) if STREAM_LABEL in labels)
+        finished = sum(v for labels, v in s.get(F_FINISHED, []) if STREAM_LABEL in labels)
+        prev_started, self._last_stream_started = self._last_stream_started, started
         blocks = _max(s, F_TOTAL_BLOCKS) or 0.0
         block_size = _max(s, F_BLOCK_SIZE) or 0.0
         return FrontendStats(
@@ -285,6 +318,8 @@ class FleetTelemetry:
             kv_tokens_per_worker=int(blocks * block_size),
             max_num_seqs=int(_max(s, F_MAX_SEQS) or 0),
             rejected=rejected,
+            streaming=max(0, int(started - finished)),
+            stream_arrivals=0 if prev_started is None else max(0, int(started - prev_started)),
         )
 
     def _worker(self, ep: Endpoint, text: str) -> WorkerStats:

@@ -63,6 +63,26 @@ class Settings(BaseSettings):
     drain_slice_s: float = 30.0
     tick_interval_s: float = 1.0
 
+    # Capacity controller (runs in the scheduler process when capacity_control is on).
+    # Prometheus endpoints of the fleet: `role=url` items, role frontend|agg|prefill|decode,
+    # deployments separated by `;`. Empty: the frontend's /metrics beside each fleet URL.
+    fleet_metrics_urls: str = ""
+    # The interactive SLO the controller protects: time to first token, mean inter-token latency.
+    slo_ttft_s: float = 1.0
+    slo_itl_s: float = 0.05
+    control_period_s: float = 0.25
+    # Upper bound of the published limit (0: max_inflight).
+    capacity_ceiling: int = 0
+    # KV cache model of a decoder: bytes per token of the cache format (576 FP8 MLA, 352 NVFP4)
+    # and the cache's byte budget; 0 takes the capacity the frontend reports.
+    kv_bytes_per_token: int = 0
+    kv_budget_bytes: int = 0
+    # Share of releases guaranteed to batches forecast to miss their completion window.
+    deadline_guaranteed_share: float = 0.5
+    # With no interactive request in flight, the latency target may stretch to this multiple
+    # of the SLO (the first interactive arrival sheds back); 1.0 keeps the SLO target always.
+    capacity_idle_target: float = 1.0
+
     @field_validator("home")
     @classmethod
     def _absolute_home(cls, v: Path) -> Path:
@@ -91,6 +111,13 @@ class Settings(BaseSettings):
     @property
     def fleet_url_list(self) -> list[str]:
         return [u.strip().rstrip("/") for u in self.fleet_urls.split(",") if u.strip()]
+
+    @property
+    def fleet_metrics_spec(self) -> str:
+        if self.fleet_metrics_urls.strip():
+            return self.fleet_metrics_urls
+        origins = {u.removesuffix("/v1") for u in self.fleet_url_list}
+        return ";".join(f"frontend={o}/metrics" for o in sorted(origins))
 
     @property
     def completion_window_seconds(self) -> dict[str, int]:

@@ -1,0 +1,108 @@
+"""backfill's side of a harvest run, in its own process: the real Dispatcher (leases in Redis,
+lines claimed from Postgres, results committed there) with either a fixed lease limit (the static
+sweep) or the capacity controller publishing the limit from the fleet's telemetry.
+
+Configured through the usual BACKFILL_* environment; the harvest orchestrator sets it. Writes
+what it did (completions, in-flight leases, the controller's decisions) as JSON and exits at
+t_end without waiting for requests still in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import orjson
+
+from scheduler.admission import POOL, Observation
+from scheduler.capacity import Decision
+from scheduler.dispatcher import Dispatcher
+from scheduler.fleet import FleetClient
+from scheduler.leases import get_lease_store
+from scheduler.runtime import get_admission, make_capacity_loop, make_planner
+from storage.objects import get_object_store
+from storage.settings import get_settings
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--t-start", type=float, required=True)
+    p.add_argument("--t-end", type=float, required=True)
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)  # per-request notices would cost the fleet CPU time
+    s = get_settings()
+    leases = get_lease_store()
+    admission = get_admission()
+    done: list[tuple[float, int, int]] = []
+    decisions: list[dict[str, Any]] = []
+    samples: list[tuple[float, int, int]] = []
+
+    def observed(obs: Observation) -> None:
+        done.append((time.time(), obs.status_code, obs.completion_tokens))
+
+    admission.observer = observed
+    stop = threading.Event()
+    if s.capacity_control:
+        loop = make_capacity_loop(s, leases)
+
+        def decided(t: float, d: Decision) -> None:
+            decisions.append(
+                {
+                    "t": t,
+                    "limit": d.limit,
+                    "shed": d.shed_to,
+                    "reason": d.reason,
+                    "interactive": d.interactive,
+                    "batch": d.batch,
+                    "itl": d.itl_s,
+                    "ttft": d.ttft_s,
+                    "kv": d.kv_usage,
+                    "cap": d.cap,
+                    "idle": d.idle,
+                }
+            )
+
+        loop.on_decision = decided
+        threading.Thread(target=loop.run, args=(stop,), daemon=True).start()
+
+    async def dispatch() -> None:
+        await asyncio.sleep(max(0.0, a.t_start - time.time()))
+        fleet = FleetClient(s.fleet_url_list, timeout_s=s.fleet_timeout_s)
+        while time.time() < a.t_end:
+            d = Dispatcher(
+                store=get_object_store(),
+                leases=leases,
+                admission=admission,
+                fleet=fleet,
+                planner=make_planner(admission=admission),
+                max_attempts=s.fleet_max_retries,
+                hint_mode=s.fleet_priority_hint,
+            )
+            await d.run(a.t_end - time.time(), max_drains=1)
+
+    async def sample() -> None:
+        while time.time() < a.t_end:
+            n = await asyncio.to_thread(leases.count, POOL)
+            samples.append((time.time(), n, await asyncio.to_thread(admission.limit)))
+            await asyncio.sleep(0.25)
+
+    async def both() -> None:
+        task = asyncio.create_task(dispatch())
+        await sample()
+        stop.set()
+        with open(a.out, "wb") as f:
+            f.write(orjson.dumps({"done": done, "inflight": samples, "decisions": decisions}))
+        os._exit(0)  # requests still in flight are simply dropped, as a killed worker's would be
+        await task  # not reached
+
+    asyncio.run(both())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,450 @@
+"""Harvest benchmark: how much batch work fits into a fleet's idle capacity without breaking the
+interactive SLO.
+
+On the real Dynamo frontend + mocker workers, in a regime where interference comes from the
+simulated engine (a small KV cache: decode step time grows with its occupancy), one interactive
+trace (multi-turn agent sessions in bursts and quiet periods, streamed) is replayed unchanged
+beside different batch loads:
+
+  (a) interactive only: the SLO is derived from it;
+  (b) + a naive batch client at a fixed high concurrency;
+  (s) + backfill with a fixed lease limit, swept over a range: the best static setting;
+  (c) + backfill with the capacity controller publishing the lease limit.
+
+backfill runs in-process in a separate process (the real Dispatcher, Postgres for the lines,
+Redis for leases and the controller's published limit), not as its Celery/API processes: the
+machine has two cores and the fleet needs them.
+
+SLO rule (per interactive request, from run (a)): TTFT <= 2 x (a)'s p90 TTFT and mean ITL <=
+1.3 x (a)'s p90 ITL. Attainment = share of interactive requests meeting both.
+
+    .venv/bin/python -m bench.harvest --quick           # ~6 minutes
+    .venv/bin/python -m bench.harvest                   # ~25 minutes
+    .venv/bin/python -m bench.harvest --disagg          # prefill/decode split fleet
+    .venv/bin/python -m bench.harvest --kv-bytes-per-token 352
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("HARVEST_REDIS_URL", "redis://127.0.0.1:6379/7")
+MODEL = "tiny-chat"
+BLOCK_SIZE = 64
+# The interference regime's KV cache: 2048 blocks of 64 tokens at 576 bytes per token (an FP8
+# MLA row). A leaner cache format fits more tokens into the same bytes.
+KV_BUDGET_BYTES = 2048 * BLOCK_SIZE * 576
+BATCH_LINES = 6000
+WARMUP_S = 6.0  # the batch side starts this long before the trace
+
+
+@dataclass(frozen=True)
+class SloRule:
+    ttft_s: float
+    itl_s: float
+
+
+@dataclass
+class RunResult:
+    name: str
+    kind: str  # a | b | s | c
+    concurrency: int | None
+    attainment: float
+    n: int
+    ttft_p50: float
+    ttft_p90: float
+    itl_p50: float
+    itl_p90: float
+    batch_tok_s: float
+    batch_requests: int
+    aborted_or_failed: int
+    loop_lag_p99_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def meets(r: dict[str, Any], slo: SloRule) -> bool:
+    if r.get("status") != 200 or r.get("ttft") is None:
+        return False
+    return r["ttft"] <= slo.ttft_s and (r.get("itl") is None or r["itl"] <= slo.itl_s)
+
+
+# -- set-up ----------------------------------------------------------------------------------
+
+
+def setup_database() -> str:
+    import psycopg
+
+    name = f"backfill_harvest_{secrets.token_hex(4)}"
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://") + f"/{name}"
+    env = {**os.environ, "BACKFILL_DATABASE_URL": url}
+    subprocess.run([sys.executable, "-m", "backfill", "migrate"], env=env, check=True, cwd=ROOT, capture_output=True)
+    return url
+
+
+def drop_database(url: str) -> None:
+    import psycopg
+
+    name = url.rsplit("/", 1)[1]
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def prepare_batch(salt: str, n: int) -> str:
+    """A batch of n lines through the same service functions the API and validation task use."""
+    import orjson
+
+    from bench.loadgen import batch_body
+    from jobs import batches, files, teams, validation
+    from jobs.models import new_id
+    from storage.db import unit_of_work
+    from storage.objects import get_object_store
+
+    store = get_object_store()
+    data = b"".join(
+        orjson.dumps(
+            {
+                "custom_id": f"{salt}-{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": batch_body(i, salt, MODEL),
+            }
+        )
+        + b"\n"
+        for i in range(n)
+    )
+    with unit_of_work() as s:
+        team_id = teams.get_or_create_team(s, name="harvest").id
+    file_id = new_id()
+    key = files.file_key(team_id, file_id)
+    store.put(key, [data])
+    with unit_of_work() as s:
+        files.record_upload(
+            s,
+            file_id=file_id,
+            team_id=team_id,
+            purpose="batch",
+            filename="harvest.jsonl",
+            size=len(data),
+            expires_after_s=None,
+            default_batch_expiry_s=86400,
+        )
+        batch_id = batches.create_batch(
+            s,
+            team_id=team_id,
+            input_file_id=file_id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            windows={"24h": 86400},
+        ).id
+    result = validation.validate_lines(
+        store.open(key),
+        endpoint="/v1/chat/completions",
+        served_models={MODEL},
+        limits=validation.Limits(max_requests=n, max_line_bytes=1 << 20, max_errors=10),
+    )
+    with unit_of_work() as s:
+        status = validation.apply_validation(s, batch_id=batch_id, result=result)
+    if status != "in_progress":
+        raise RuntimeError(f"harvest batch did not validate: {status} {result.errors[:3]}")
+    return batch_id
+
+
+def retire_batch(batch_id: str) -> None:
+    from jobs import batches
+    from storage.db import unit_of_work
+
+    with unit_of_work() as s:
+        batches.cancel_batch(s, team_id=None, batch_id=batch_id)
+
+
+def flush_redis() -> None:
+    import redis
+
+    redis.Redis.from_url(REDIS_URL).flushdb()
+
+
+# -- one run ---------------------------------------------------------------------------------
+
+
+class Sampler(threading.Thread):
+    """Worker telemetry for the plot (KV occupancy, step time), twice a second."""
+
+    def __init__(self, endpoints: list[Any], until: float) -> None:
+        super().__init__(daemon=True)
+        from scheduler.telemetry import FleetTelemetry
+
+        self.tel = FleetTelemetry(endpoints)
+        self.until = until
+        self.rows: list[tuple[float, float, float | None, int]] = []
+
+    def run(self) -> None:
+        while time.time() < self.until:
+            snap = self.tel.scrape()
+            dec = snap.pool("decode")
+            fe = snap.frontend
+            self.rows.append(
+                (
+                    time.time(),
+                    dec.kv_usage_max if dec else 0.0,
+                    dec.itl_s if dec else None,
+                    fe.inflight if fe else 0,
+                )
+            )
+            time.sleep(0.5)
+        self.tel.close()
+
+
+def run_one(
+    name: str,
+    kind: str,
+    *,
+    fleet: Any,
+    spec: dict[str, Any],
+    workdir: Path,
+    env: dict[str, str],
+    concurrency: int | None = None,
+) -> dict[str, Any]:
+    """Replays the trace beside one batch load; returns the raw records of both sides."""
+    from scheduler.telemetry import Endpoint
+
+    salt = f"{name}{secrets.token_hex(2)}"
+    duration = float(spec["duration_s"])
+    batch_id = prepare_batch(salt, BATCH_LINES) if kind in ("s", "c") else None
+    flush_redis()
+    t0 = time.time() + WARMUP_S + 2.0
+    t_end = t0 + duration
+    inter_out, batch_out = workdir / f"{name}-interactive.json", workdir / f"{name}-batch.json"
+    common = {"base-url": fleet.base_url, "salt": salt, "t0": t0}
+    procs = [_spawn("bench.loadgen", "interactive", spec=json.dumps(spec), out=inter_out, **common)]
+    if kind == "b":
+        procs.append(
+            _spawn(
+                "bench.loadgen",
+                "naive",
+                **common,
+                t_start=t0 - WARMUP_S,
+                t_end=t_end + 5,
+                concurrency=concurrency,
+                out=batch_out,
+            )
+        )
+    elif kind in ("s", "c"):
+        side_env = dict(env)
+        side_env.update(
+            BACKFILL_CAPACITY_CONTROL="true" if kind == "c" else "false",
+            BACKFILL_MAX_INFLIGHT=str(concurrency),
+        )
+        procs.append(_spawn("bench.backfill_side", env=side_env, t_start=t0 - WARMUP_S, t_end=t_end + 5, out=batch_out))
+    endpoints = [Endpoint("frontend", fleet.frontend_metrics_url)] + [
+        Endpoint(role, url) for role, url in fleet.worker_metrics_urls
+    ]
+    sampler = Sampler(endpoints, t_end + 5)
+    sampler.start()
+    try:
+        for p in procs:
+            p.wait(timeout=duration + 240)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    sampler.join(timeout=10)
+    if batch_id:
+        retire_batch(batch_id)
+    time.sleep(2.0)  # let the fleet drain before the next run
+    inter = json.loads(inter_out.read_text())
+    batch = json.loads(batch_out.read_text()) if batch_out.exists() else {"done": [], "inflight": [], "decisions": []}
+    return {"t0": t0, "t_end": t_end, "interactive": inter, "batch": batch, "telemetry": sampler.rows}
+
+
+def _spawn(module: str, *args: str, env: dict[str, str] | None = None, **opts: Any) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", module, *args]
+    for key, value in opts.items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env)
+
+
+def summarize(
+    name: str, kind: str, raw: dict[str, Any], slo: SloRule | None, concurrency: int | None = None
+) -> RunResult:
+    reqs = raw["interactive"]["requests"]
+    ok = [r for r in reqs if r.get("status") == 200 and r.get("ttft") is not None]
+    ttft = [r["ttft"] for r in ok]
+    itl = [r["itl"] for r in ok if r.get("itl") is not None]
+    t0, t_end = raw["t0"], raw["t_end"]
+    done = [d for d in raw["batch"].get("done", []) if t0 <= d[0] <= t_end]
+    tokens = sum(d[2] for d in done if d[1] == 200)
+    attainment = 100.0 * sum(meets(r, slo) for r in reqs) / len(reqs) if slo and reqs else float("nan")
+    return RunResult(
+        name=name,
+        kind=kind,
+        concurrency=concurrency,
+        attainment=attainment,
+        n=len(reqs),
+        ttft_p50=pct(ttft, 0.5),
+        ttft_p90=pct(ttft, 0.9),
+        itl_p50=pct(itl, 0.5),
+        itl_p90=pct(itl, 0.9),
+        batch_tok_s=tokens / (t_end - t0),
+        batch_requests=sum(1 for d in done if d[1] == 200),
+        aborted_or_failed=sum(1 for d in done if d[1] != 200),
+        loop_lag_p99_s=raw["interactive"].get("loop_lag_p99_s", 0.0),
+    )
+
+
+# -- the whole benchmark ---------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="short trace and sweep (a few minutes)")
+    p.add_argument("--disagg", action="store_true", help="prefill/decode split fleet (1 prefill + 2 decode)")
+    p.add_argument("--kv-bytes-per-token", type=int, default=576, help="KV row size: 576 FP8 MLA, 352 NVFP4")
+    p.add_argument("--naive-concurrency", type=int, default=128)
+    p.add_argument("--sweep", default="", help="static lease limits, comma-separated")
+    p.add_argument("--ceiling", type=int, default=128, help="the controller's upper bound")
+    p.add_argument("--runs", default="a,b,s,c", help="which runs (a always runs: it sets the SLO)")
+    p.add_argument("--duration", type=float, default=0.0, help="override the trace length (s)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    a = p.parse_args(argv)
+
+    from bench.agent_trace import TraceSpec
+
+    if a.quick:
+        spec = asdict(TraceSpec(duration_s=50.0, cycle_s=25.0, burst_s=12.0))
+        sweep = [int(x) for x in (a.sweep or "8,16,24").split(",")]
+    else:
+        spec = asdict(TraceSpec(duration_s=120.0, cycle_s=30.0, burst_s=14.0))
+        sweep = [int(x) for x in (a.sweep or "4,8,12,16,24,32").split(",")]
+    if a.duration:
+        spec["duration_s"] = a.duration
+    runs = set(a.runs.split(","))
+    variant = ("disagg" if a.disagg else "agg") + f"-kv{a.kv_bytes_per_token}" + ("-quick" if a.quick else "")
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="harvest-"))
+    blocks = KV_BUDGET_BYTES // (a.kv_bytes_per_token * BLOCK_SIZE)
+
+    db_url = setup_database()
+    home = workdir / "home"
+    env = {
+        **os.environ,
+        "BACKFILL_DATABASE_URL": db_url,
+        "BACKFILL_REDIS_URL": REDIS_URL,
+        "BACKFILL_HOME": str(home),
+        "BACKFILL_LEASE_TTL_S": "5",
+        "BACKFILL_CAPACITY_FLOOR": "0",
+        "BACKFILL_CAPACITY_CEILING": str(a.ceiling),
+        "BACKFILL_KV_BYTES_PER_TOKEN": str(a.kv_bytes_per_token),
+        "BACKFILL_KV_BUDGET_BYTES": str(KV_BUDGET_BYTES),
+        "BACKFILL_LOG_LEVEL": "WARNING",
+    }
+    os.environ.update({k: v for k, v in env.items() if k.startswith("BACKFILL_")})
+
+    from devfleet.fleet import Fleet
+
+    fleet = Fleet(
+        num_workers=2,
+        speedup_ratio=1.0,
+        num_gpu_blocks=blocks,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=64,
+        max_num_batched_tokens=8192,
+        kv_bytes_per_token=a.kv_bytes_per_token,
+        disaggregated=a.disagg,
+        num_prefill_workers=1,
+        model_name=MODEL,
+    )
+    started = time.time()
+    results: list[RunResult] = []
+    raws: dict[str, dict[str, Any]] = {}
+    try:
+        fleet.start()
+        metrics = ",".join(
+            [f"frontend={fleet.frontend_metrics_url}"] + [f"{role}={url}" for role, url in fleet.worker_metrics_urls]
+        )
+        env.update(BACKFILL_FLEET_URLS=fleet.base_url, BACKFILL_FLEET_METRICS_URLS=metrics)
+        print(f"harvest {variant}: fleet {fleet.base_url} ({blocks} KV blocks/decoder), trace {spec}", flush=True)
+
+        def go(name: str, kind: str, conc: int | None = None) -> dict[str, Any]:
+            raw = run_one(name, kind, fleet=fleet, spec=spec, workdir=workdir, env=env, concurrency=conc)
+            raws[name] = raw
+            return raw
+
+        raw_a = go("a", "a")
+        base = summarize("a", "a", raw_a, None)
+        slo = SloRule(ttft_s=2.0 * base.ttft_p90, itl_s=1.3 * base.itl_p90)
+        env.update(BACKFILL_SLO_TTFT_S=f"{slo.ttft_s:.4f}", BACKFILL_SLO_ITL_S=f"{slo.itl_s:.4f}")
+        print(f"SLO from (a): TTFT <= {slo.ttft_s * 1000:.0f} ms, mean ITL <= {slo.itl_s * 1000:.1f} ms", flush=True)
+        results.append(summarize("a", "a", raw_a, slo))
+        _report(results[-1])
+        if "b" in runs:
+            results.append(summarize("b", "b", go("b", "b", a.naive_concurrency), slo, a.naive_concurrency))
+            _report(results[-1])
+        for c in sweep if "s" in runs else []:
+            results.append(summarize(f"s{c}", "s", go(f"s{c}", "s", c), slo, c))
+            _report(results[-1])
+        if "c" in runs:
+            results.append(summarize("c", "c", go("c", "c", a.ceiling), slo))
+            _report(results[-1])
+        if not a.quick and runs >= {
+            "a",
+            "b",
+            "s",
+            "c",
+        }:  # the same interactive-only run again: how much the figures drift by noise alone
+            results.append(summarize("a2", "a", go("a2", "a"), slo))
+            _report(results[-1])
+    finally:
+        fleet.stop()
+        drop_database(db_url)
+    elapsed = time.time() - started
+
+    from bench.harvest_report import final_line, plot, write_summary
+
+    png = out_dir / f"harvest-{variant}.png"
+    if not runs >= {"b", "c"}:
+        print(f"partial run ({a.runs}): no plot, no closing line")
+        return
+    plot(png, raws, results, slo)
+    line = final_line(results)
+    write_summary(out_dir / f"harvest-{variant}.json", variant, spec, slo, results, elapsed, line)
+    print(f"wrote {png} ({elapsed / 60:.1f} min)")
+    print(line)
+
+
+def _report(r: RunResult) -> None:
+    conc = f" C={r.concurrency}" if r.concurrency else ""
+    print(
+        f"  ({r.kind}) {r.name:<4}{conc:<6} attainment {r.attainment:5.1f}% of {r.n}  "
+        f"TTFT p50/p90 {r.ttft_p50 * 1000:4.0f}/{r.ttft_p90 * 1000:4.0f} ms  "
+        f"ITL p50/p90 {r.itl_p50 * 1000:4.1f}/{r.itl_p90 * 1000:4.1f} ms  "
+        f"batch {r.batch_tok_s:6.0f} tok/s ({r.batch_requests} req, {r.aborted_or_failed} failed)  "
+        f"gen lag p99 {r.loop_lag_p99_s * 1000:.0f} ms",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

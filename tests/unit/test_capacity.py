@@ -1,0 +1,223 @@
+"""Controller math and telemetry parsing, on hand-made snapshots (the real fleet is in tests/e2e)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scheduler.capacity import ControlConfig, Controller, ObsDelta, Slo, shed_count
+from scheduler.telemetry import (
+    Endpoint,
+    FleetSnapshot,
+    FrontendStats,
+    KvModel,
+    WorkerStats,
+    _Counter,
+    parse_endpoints,
+    parse_prometheus,
+)
+
+SLO = Slo(ttft_s=0.2, itl_s=0.020)
+
+
+def snap(
+    at: float,
+    *,
+    itl: float | None = 0.010,
+    ttft: float | None = 0.05,
+    kv: float = 0.1,
+    waiting: int = 0,
+    running: int = 10,
+    inflight: int = 0,
+    streaming: int = 0,
+    arrivals: int = 0,
+    preempted: int = 0,
+    workers: int = 2,
+) -> FleetSnapshot:
+    fe = FrontendStats(
+        inflight=inflight,
+        queued=0,
+        itl_s=itl,
+        ttft_s=ttft,
+        active_decode_blocks=0,
+        active_prefill_tokens=0,
+        kv_tokens_per_worker=2048 * 64,
+        max_num_seqs=64,
+        rejected=0,
+        streaming=streaming,
+        stream_arrivals=arrivals,
+    )
+    ws = tuple(
+        WorkerStats(
+            role="agg",
+            url=f"w{i}",
+            kv_usage=kv,
+            running=running,
+            waiting=waiting,
+            itl_s=itl,
+            itl_n=100 if itl is not None else 0,
+            ttft_s=ttft,
+            ttft_n=5 if ttft is not None else 0,
+            preempted=preempted,
+        )
+        for i in range(workers)
+    )
+    return FleetSnapshot(at=at, frontend=fe, workers=ws, missing=())
+
+
+def run(c: Controller, n: int, t: float, batch: int | None, **kw: Any) -> tuple[float, list[str]]:
+    """n periods; `batch` in flight, or (None) as many as the limit allows."""
+    reasons = []
+    for _ in range(n):
+        t += 0.25
+        b = int(c.limit) if batch is None else batch
+        d = c.step(snap(t, inflight=b + kw.get("streaming", 0), **kw), b, ObsDelta(), t)
+        reasons.append(d.reason)
+    return t, reasons
+
+
+def test_no_telemetry_means_the_floor() -> None:
+    c = Controller(ControlConfig(slo=SLO, floor=2, ceiling=64))
+    c.limit = 40
+    assert c.step(None, 30, ObsDelta(), 1.0).limit == 2
+    stale = snap(0.0)
+    assert c.step(stale, 30, ObsDelta(), 5.0).reason == "no-telemetry"  # 5 s old
+    missing = FleetSnapshot(at=5.0, frontend=stale.frontend, workers=stale.workers, missing=("http://w1/metrics",))
+    assert c.step(missing, 30, ObsDelta(), 5.0).limit == 2
+
+
+def test_grows_under_the_slo_only_while_leases_are_used() -> None:
+    c = Controller(ControlConfig(slo=SLO, floor=1, ceiling=64))
+    t, _ = run(c, 1, 0.0, batch=1, itl=0.008)
+    assert c.limit > 1
+    t, _ = run(c, 8, t, batch=None, itl=0.008)
+    grown = c.limit
+    assert grown >= 8
+    _, reasons = run(c, 4, t, batch=1, itl=0.008)  # demand fell away: no growth on paper
+    assert c.limit == grown and set(reasons) == {"steady"}
+
+
+def test_growth_slows_near_the_target() -> None:
+    far, near = Controller(ControlConfig(slo=SLO, ceiling=200)), Controller(ControlConfig(slo=SLO, ceiling=200))
+    far.limit = near.limit = 40
+    far.step(snap(1.0, itl=0.006), 40, ObsDelta(), 1.0)
+    near.step(snap(1.0, itl=0.015), 40, ObsDelta(), 1.0)
+    assert far.limit - 40 > near.limit - 40 >= 1
+
+
+def test_cuts_in_proportion_when_latency_nears_the_slo() -> None:
+    c = Controller(ControlConfig(slo=SLO, ceiling=200, smoothing=1.0))
+    c.limit = 40
+    d = c.step(snap(1.0, itl=0.0195), 40, ObsDelta(), 1.0)  # 0.975 of the SLO
+    assert d.reason == "cut" and 30 <= d.limit < 40 and d.shed_to is None
+    d = c.step(snap(1.25, itl=0.008), d.limit, ObsDelta(), 1.25)
+    assert d.reason == "hold"  # no growth right after a cut
+
+
+def test_over_the_slo_cuts_hard_and_sheds() -> None:
+    c = Controller(ControlConfig(slo=SLO, ceiling=200, smoothing=1.0))
+    c.limit = 40
+    d = c.step(snap(1.0, itl=0.025), 40, ObsDelta(), 1.0)
+    assert d.reason == "over-slo" and d.limit == 20 and d.shed_to == 20
+
+
+def test_overload_preemption_and_a_full_cache_cut_hard() -> None:
+    cases: list[tuple[ObsDelta, dict[str, Any], str]] = [
+        (ObsDelta(n=5, overloaded=1), {}, "overload"),
+        (ObsDelta(), {"preempted": 1}, "preempted"),
+        (ObsDelta(), {"kv": 0.93}, "kv-full"),
+    ]
+    for obs, kw, reason in cases:
+        c = Controller(ControlConfig(slo=SLO, ceiling=200))
+        c.limit = 40
+        d = c.step(snap(1.0, **kw), 40, obs, 1.0)
+        assert d.reason == reason and d.limit == 20 and d.shed_to == 20
+
+
+def test_a_queue_counts_once_it_persists() -> None:
+    c = Controller(ControlConfig(slo=SLO, ceiling=200))
+    c.limit = 40
+    _, reasons = run(c, 3, 0.0, batch=40, waiting=6, running=30)
+    assert reasons[:2] != ["queue", "queue"] and reasons[2] == "queue"
+    assert c.limit == 20
+
+
+def test_an_interactive_surge_sheds_at_once() -> None:
+    c = Controller(ControlConfig(slo=SLO, ceiling=200))
+    c.limit = 40
+    d = c.step(snap(1.0, itl=0.010, streaming=5, arrivals=5, inflight=45), 40, ObsDelta(), 1.0)
+    assert d.reason == "surge" and d.shed_to == 20 and d.interactive == 5
+
+
+def test_limit_respects_sequence_slots_and_the_kv_model() -> None:
+    c = Controller(ControlConfig(slo=SLO, ceiling=1000))
+    c.limit = 500
+    d = c.step(snap(1.0), 500, ObsDelta(), 1.0)
+    assert d.cap == 96 and d.limit == 96  # 2 x 64 slots, a quarter kept for interactive work
+    # A leaner cache format holds more tokens in the same bytes: the KV cap rises with it.
+    budget = 2048 * 64 * 576
+    fp8 = Controller(ControlConfig(slo=SLO, ceiling=1000, seq_reserve=0.0, kv=KvModel(576, budget)))
+    nvfp4 = Controller(ControlConfig(slo=SLO, ceiling=1000, seq_reserve=0.0, kv=KvModel(352, budget)))
+    obs = ObsDelta(n=10, prompt_tokens=10 * 3000, completion_tokens=10 * 1000)  # 4000-token requests
+    for ctl in (fp8, nvfp4):
+        for i in range(30):
+            ctl.step(snap(1.0 + i), 0, obs, 1.0 + i)
+    cap_fp8, cap_nvfp4 = fp8.step(snap(40.0), 0, ObsDelta(), 40.0).cap, nvfp4.step(snap(40.0), 0, ObsDelta(), 40.0).cap
+    assert cap_fp8 == int(2048 * 64 * 2 * 0.8 / 4000) and abs(cap_nvfp4 / cap_fp8 - 576 / 352) < 0.05
+
+
+def test_idle_target_stretches_and_the_first_arrival_sheds_back() -> None:
+    cfg = ControlConfig(slo=SLO, ceiling=200, idle_target=1.5, idle_after_s=1.0, smoothing=1.0)
+    c = Controller(cfg)
+    c.limit = 60
+    t, _ = run(c, 8, 0.0, batch=60, itl=0.024)  # above the SLO, below 1.5 x: fine with nobody waiting
+    assert c.limit >= 60
+    c._itl_floor = 0.006
+    d = c.step(snap(t + 0.25, itl=0.024, streaming=1, arrivals=1, inflight=61), 60, ObsDelta(), t + 0.25)
+    # Back to what the SLO allows: (cut_above x 20 ms - 6 ms) / (24 ms - 6 ms) of 60 in flight.
+    expected = int(60 * (cfg.cut_above * 0.020 - 0.006) / (0.024 - 0.006))
+    assert d.reason == "wake" and d.shed_to == expected == d.limit and 30 < expected < 50
+
+
+def test_shed_count_is_each_drains_share_of_the_excess() -> None:
+    assert shed_count(total=40, target=20, mine=10) == 5
+    assert shed_count(total=40, target=20, mine=30) == 15
+    assert shed_count(total=20, target=20, mine=10) == 0
+    assert shed_count(total=41, target=0, mine=1) == 1
+
+
+PROM = """# HELP vllm:kv_cache_usage_perc KV usage
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:num_requests_running{engine="0",model_name="m"} 7
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.01"} 3
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} 1.5
+vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 100
+dynamo_frontend_requests_started_total{endpoint="chat_completions",request_type="stream"} 4
+dynamo_frontend_requests_started_total{endpoint="chat_completions",request_type="unary"} 9
+dynamo_request_queue 0
+"""
+
+
+def test_prometheus_text_is_parsed_and_filtered() -> None:
+    s = parse_prometheus(PROM)
+    assert s["vllm:kv_cache_usage_perc"] == [('engine="0",model_name="m"', 0.25)]
+    assert s["dynamo_request_queue"] == [("", 0.0)]
+    assert len(s["dynamo_frontend_requests_started_total"]) == 2
+    only = parse_prometheus(PROM, {"vllm:num_requests_running"})
+    assert list(only) == ["vllm:num_requests_running"]
+
+
+def test_histograms_become_window_means() -> None:
+    c = _Counter()
+    assert c.window(1.5, 100) == (None, 0)  # the first scrape only sets the baseline
+    assert c.window(2.5, 150) == (0.02, 50)
+    assert c.window(2.5, 150) == (None, 0)  # nothing happened in this window
+    assert c.window(0.1, 10) == (None, 0)  # the worker restarted: a new baseline
+
+
+def test_endpoint_specs() -> None:
+    deps = parse_endpoints("frontend=http://f/metrics,agg=http://a/metrics;http://g/metrics")
+    assert deps == [
+        [Endpoint("frontend", "http://f/metrics"), Endpoint("agg", "http://a/metrics")],
+        [Endpoint("frontend", "http://g/metrics")],
+    ]
