@@ -11,15 +11,15 @@ beside different batch loads:
   (s) + backfill with a fixed lease limit, swept over a range: the best static setting;
   (c) + backfill with the capacity controller publishing the lease limit.
 
-backfill runs in-process in a separate process (the real Dispatcher, Postgres for the lines,
-Redis for leases and the controller's published limit), not as its Celery/API processes: the
-machine has two cores and the fleet needs them.
+backfill's side runs in a process of its own: the real Dispatcher (Postgres for the lines, Redis
+for leases and the controller's published limit) and, for (c), the capacity controller, without
+the Celery/API processes around them, since the machine has two cores and the fleet needs them.
 
 SLO rule (per interactive request, from run (a)): TTFT <= 2 x (a)'s p90 TTFT and mean ITL <=
 1.3 x (a)'s p90 ITL. Attainment = share of interactive requests meeting both.
 
-    .venv/bin/python -m bench.harvest --quick           # ~6 minutes
-    .venv/bin/python -m bench.harvest                   # ~25 minutes
+    .venv/bin/python -m bench.harvest --quick           # ~7 minutes
+    .venv/bin/python -m bench.harvest                   # ~23 minutes
     .venv/bin/python -m bench.harvest --disagg          # prefill/decode split fleet
     .venv/bin/python -m bench.harvest --kv-bytes-per-token 352
 """
@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -327,13 +328,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--runs", default="a,b,s,c", help="which runs (a always runs: it sets the SLO)")
     p.add_argument("--duration", type=float, default=0.0, help="override the trace length (s)")
     p.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    p.add_argument("--keep", action="store_true", help="keep the raw per-request records (printed path)")
     a = p.parse_args(argv)
 
     from bench.agent_trace import TraceSpec
 
     if a.quick:
         spec = asdict(TraceSpec(duration_s=50.0, cycle_s=25.0, burst_s=12.0))
-        sweep = [int(x) for x in (a.sweep or "8,16,24").split(",")]
+        sweep = [int(x) for x in (a.sweep or "4,8,16").split(",")]
     else:
         spec = asdict(TraceSpec(duration_s=120.0, cycle_s=30.0, burst_s=14.0))
         sweep = [int(x) for x in (a.sweep or "4,8,12,16,24,32").split(",")]
@@ -408,17 +410,17 @@ def main(argv: list[str] | None = None) -> None:
         if "c" in runs:
             results.append(summarize("c", "c", go("c", "c", a.ceiling), slo))
             _report(results[-1])
-        if not a.quick and runs >= {
-            "a",
-            "b",
-            "s",
-            "c",
-        }:  # the same interactive-only run again: how much the figures drift by noise alone
+        # The same interactive-only run again: how much the figures drift by noise alone.
+        if not a.quick and runs >= {"a", "b", "s", "c"}:
             results.append(summarize("a2", "a", go("a2", "a"), slo))
             _report(results[-1])
     finally:
         fleet.stop()
         drop_database(db_url)
+        if a.keep:
+            print(f"raw records kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
     elapsed = time.time() - started
 
     from bench.harvest_report import final_line, plot, write_summary

@@ -367,10 +367,6 @@ def test_concurrency_follows_interactive_latency(db: str, busy_fleet: Any, lease
     assert reasons & {"surge", "over-slo", "cut", "queue"}, reasons
     level = sum(before) / len(before)
     assert sum(during) / len(during) <= 0.5 * level, (before, during)
-    if os.environ.get("CAP_DEBUG"):
-        for t, d in control.decisions:
-            if t >= t2 - 3:
-                print(f"{t - t2:5.1f} {d.reason:9} L={d.limit} B={d.batch} I={d.interactive} itl={d.itl_s} ttft={d.ttft_s}")
     assert sum(after) / len(after) >= 0.7 * level, (before, after)
     retire(batch)
 
