@@ -131,3 +131,11 @@ def revoke_key(session: Session, *, key_id_or_prefix: str, team_id: str | None =
         key.revoked_at = utcnow()
     session.flush()
     return key
+
+
+def team_weights(session: Session, *, team_ids: set[str]) -> dict[str, float]:
+    """Fair-share weights of the given teams."""
+    if not team_ids:
+        return {}
+    rows = session.execute(select(Team.id, Team.weight).where(Team.id.in_(team_ids)))
+    return {team_id: float(weight) for team_id, weight in rows}

@@ -6,11 +6,10 @@ import time
 from collections.abc import Callable
 from functools import lru_cache
 
-from sqlalchemy import select
-
 from jobs import execution
 from jobs.execution import PendingBatch
-from jobs.models import Team, utcnow
+from jobs.models import utcnow
+from jobs.teams import team_weights
 from scheduler.admission import Admission, ObservationLog
 from scheduler.capacity import CapacityLoop, ControlConfig, Controller, Slo
 from scheduler.leases import LeaseStore, get_lease_store
@@ -44,12 +43,7 @@ def make_planner(refresh_s: float = 0.5, admission: Admission | None = None) -> 
     def refresh() -> tuple[list[PendingBatch], dict[str, float], float | None]:
         with unit_of_work() as session:
             pending = execution.pending_batches(session)
-            teams = {b.team_id for b in pending}
-            weights = (
-                {t: float(w) for t, w in session.execute(select(Team.id, Team.weight).where(Team.id.in_(teams)))}
-                if teams
-                else {}
-            )
+            weights = team_weights(session, team_ids={b.team_id for b in pending})
         return pending, weights, admission.batch_rate() or local_rate()
 
     def plan(slots: int) -> list[tuple[str, int]]:
