@@ -141,6 +141,13 @@ def up(
         fleet = Fleet(model_name="tiny-chat", num_workers=fleet_workers, speedup_ratio=speedup)
         fleet.start()
         env["BACKFILL_FLEET_URLS"] = fleet.base_url
+        # The simulated fleet's own telemetry, so the capacity controller runs against it as it
+        # would against a production fleet (BACKFILL_CAPACITY_CONTROL=false turns it off).
+        env.setdefault("BACKFILL_CAPACITY_CONTROL", "true")
+        env.setdefault(
+            "BACKFILL_FLEET_METRICS_URLS",
+            ",".join([f"frontend={fleet.frontend_metrics_url}", *(f"{w.role}={w.url}" for w in fleet.worker_metrics_urls)]),
+        )
     if not s.bootstrap_api_key:
         env["BACKFILL_BOOTSTRAP_API_KEY"] = _bootstrap_key(s.home)
     key = env.get("BACKFILL_BOOTSTRAP_API_KEY", "")

@@ -207,7 +207,9 @@ class FleetSnapshot:
 
     @property
     def complete(self) -> bool:
-        return not self.missing and self.frontend is not None and bool(self.workers)
+        # Worker endpoints are optional (a frontend alone gives latency, in-flight and queue
+        # figures); an endpoint that is configured but does not answer makes it incomplete.
+        return not self.missing and self.frontend is not None
 
     def pool(self, role: str) -> PoolStats | None:
         """`decode`: agg + decode workers; `prefill`: prefill workers, else the agg ones."""

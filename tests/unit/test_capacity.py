@@ -221,3 +221,12 @@ def test_endpoint_specs() -> None:
         [Endpoint("frontend", "http://f/metrics"), Endpoint("agg", "http://a/metrics")],
         [Endpoint("frontend", "http://g/metrics")],
     ]
+
+
+def test_a_frontend_alone_is_enough_telemetry() -> None:
+    # Only the frontend's /metrics configured (the default): latency and queues come from it.
+    c = Controller(ControlConfig(slo=SLO, floor=1, ceiling=64))
+    t, reasons = run(c, 20, 0.0, None, workers=0)
+    assert "no-telemetry" not in reasons and c.limit > 1
+    t, reasons = run(c, 4, t, None, workers=0, itl=0.030)
+    assert reasons[0] == "over-slo" and c.limit < 64
