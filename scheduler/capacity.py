@@ -226,7 +226,9 @@ class Controller:
             self._hold_until = now + cfg.hold_s
         elif now < self._hold_until:
             reason = "hold"
-        elif pressure < cfg.grow_below and b >= 0.7 * self.limit:
+        elif pressure < cfg.grow_below and b >= int(0.7 * self.limit):
+            # (int: with a fractional limit below one, no lease can be taken, and growth must
+            # not wait for one.)
             reason = "grow"
             room = (cfg.grow_below - pressure) / cfg.grow_below
             self.limit += max(1.0, cfg.grow_gain * room * self.limit)

@@ -96,6 +96,15 @@ def test_grows_under_the_slo_only_while_leases_are_used() -> None:
     assert c.limit == grown and set(reasons) == {"steady"}
 
 
+def test_growth_restarts_from_a_cut_below_one() -> None:
+    c = Controller(ControlConfig(slo=SLO, floor=0, ceiling=64, smoothing=1.0))
+    c.limit = 1
+    d = c.step(snap(1.0, itl=0.030), 1, ObsDelta(), 1.0)  # a hard cut leaves half a lease
+    assert d.limit == 0 and 0 < c.limit < 1
+    _, reasons = run(c, 8, 2.0, batch=None, itl=0.008)  # nothing in flight: the room is back
+    assert "grow" in reasons and c.limit >= 2
+
+
 def test_growth_slows_near_the_target() -> None:
     far, near = Controller(ControlConfig(slo=SLO, ceiling=200)), Controller(ControlConfig(slo=SLO, ceiling=200))
     far.limit = near.limit = 40
