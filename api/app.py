@@ -1,15 +1,20 @@
-"""App factory. Process wiring (which queue validation goes to) is passed in, so `api`
-never imports the scheduler."""
+"""App factory. `create_app()` builds the app and touches nothing; start-up work (refusing
+development secrets outside development, installing the configured keys) runs in its lifespan."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.concurrency import run_in_threadpool
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
 
 from api.errors import install_error_handlers
-from api.limits import BodyLimit
+from api.limits import BodyLimit, UploadGate
+from api.ratelimit import RateLimit
 from api.routes import admin, batches, files, models, usage
 from jobs.teams import ensure_key
 from storage.db import unit_of_work
@@ -25,17 +30,49 @@ def install_configured_keys() -> None:
             ensure_key(session, team_name="admin", raw_key=settings.admin_api_key, is_admin=True)
 
 
-def create_app(*, enqueue_validation: Callable[[str], None] | None = None) -> FastAPI:
+@asynccontextmanager
+async def lifespan(_: FastAPI) -> AsyncIterator[None]:
     get_settings().check_production()
-    app = FastAPI(title="backfill", version="0.1.0", docs_url="/docs", redoc_url=None)
-    app.state.enqueue_validation = enqueue_validation
+    await run_in_threadpool(install_configured_keys)
+    yield
+
+
+class Health(BaseModel):
+    status: str
+
+
+def create_app() -> FastAPI:
+    app = FastAPI(title="backfill", version="0.1.0", docs_url="/docs", redoc_url=None, lifespan=lifespan)
     install_error_handlers(app)
+    # The last added runs first: the rate limit, then the upload gate, then the body cap.
     app.add_middleware(BodyLimit)
+    app.add_middleware(UploadGate)
+    app.add_middleware(RateLimit)
     for module in (files, batches, models, usage, admin):
         app.include_router(module.router)
 
     @app.get("/health", include_in_schema=False)
-    def health() -> dict[str, Any]:
-        return {"status": "ok"}
+    def health() -> Health:
+        return Health(status="ok")
 
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = _without_422(
+                get_openapi(title=app.title, version=app.version, routes=app.routes, description=app.description)
+            )
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def _without_422(document: dict[str, Any]) -> dict[str, Any]:
+    """FastAPI documents a 422 for every route with parameters; this app never sends one (a bad
+    request gets a 400 in the error envelope, declared on every router), so drop it."""
+    for operations in document.get("paths", {}).values():
+        for operation in operations.values():
+            operation.get("responses", {}).pop("422", None)
+    schemas = document.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    return document

@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.protocol import ErrorInfo, ErrorResponse
 from jobs.catalog import FleetUnavailable
 from jobs.errors import Conflict, DomainError, Forbidden, InvalidRequest, NotFound, TooLarge, Unauthorized
 
@@ -25,12 +26,34 @@ STATUS_OF: dict[type[DomainError], int] = {
 }
 
 
+_DESCRIPTIONS = {
+    400: "The request is invalid.",
+    401: "The API key is missing, unknown or revoked.",
+    403: "The route needs an admin API key.",
+    404: "No such object for this key, or no such route.",
+    409: "The object's state does not allow it (cancelling a finished batch).",
+    413: "The body or the file is larger than allowed.",
+    429: "Too many requests.",
+    500: "A bug: the server had an error while processing the request.",
+    503: "The inference fleet is unavailable.",
+}
+
+# The statuses every route may answer with, in the one envelope; routers add 403 or 503 where they apply.
+COMMON_ERRORS = (400, 401, 404, 409, 413, 429, 500)
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, object]]:
+    """`responses=` for a router: the error envelope for each status, so the OpenAPI document says it."""
+    return {status: {"model": ErrorResponse, "description": _DESCRIPTIONS[status]} for status in statuses}
+
+
 def envelope(
     status: int, message: str, *, type_: str, param: str | None = None, code: str | None = None
 ) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code))
     return JSONResponse(
         status_code=status,
-        content={"error": {"message": message, "type": type_, "param": param, "code": code}},
+        content=body.model_dump(),
         headers={"WWW-Authenticate": "Bearer"} if status == 401 else None,
     )
 

@@ -16,6 +16,7 @@ from typing import Annotated
 import typer
 
 from backfill.admin_cli import keys_app, prices_app, quotas_app, teams_app, usage
+from backfill.batch_cli import batch_app
 
 app = typer.Typer(help="backfill: OpenAI-compatible batch inference on a fleet's idle capacity.", no_args_is_help=True)
 app.add_typer(teams_app, name="teams")
@@ -23,6 +24,7 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(prices_app, name="prices")
 app.add_typer(quotas_app, name="quotas")
 app.command("usage")(usage)
+app.add_typer(batch_app, name="batch")
 
 
 def _logging() -> None:
@@ -50,7 +52,17 @@ def api(
     import uvicorn
 
     _logging()
-    uvicorn.run("backfill.wsgi:app", host=host, port=port, workers=workers, log_level="info", access_log=False)
+    # A factory: each worker process builds its own app; start-up runs in the app's lifespan.
+    uvicorn.run(
+        "api.app:create_app",
+        factory=True,
+        lifespan="on",
+        host=host,
+        port=port,
+        workers=workers,
+        log_level="info",
+        access_log=False,
+    )
 
 
 @app.command()
@@ -58,20 +70,25 @@ def worker(
     concurrency: Annotated[int, typer.Option(help="Worker processes (drains + validation + finalization).")] = 0,
 ) -> None:
     """Run a Celery worker: validation, drains onto the fleet, finalization."""
-    from scheduler.celery_app import celery_app
+    import scheduler.tasks  # noqa: F401  (registers the task bodies on the broker's app)
+    from storage.broker import QueueName, celery_app
     from storage.settings import get_settings
 
     n = concurrency or get_settings().drains + 2
-    celery_app.worker_main(["worker", "--loglevel=INFO", f"--concurrency={n}", "--without-gossip", "--without-mingle"])
+    queues = ",".join(q.value for q in QueueName)
+    celery_app.worker_main(
+        ["worker", "--loglevel=INFO", f"--concurrency={n}", f"--queues={queues}", "--without-gossip", "--without-mingle"]
+    )
 
 
 @app.command()
 def scheduler() -> None:
     """Run the scheduler loop (expiry, cancellation, reclaim, finalization, drains) and, with
     BACKFILL_CAPACITY_CONTROL on, the capacity controller that publishes the lease limit."""
-    from scheduler.celery_app import celery_app
+    from jobs.retention import RetentionPolicy
     from scheduler.leases import get_lease_store
     from scheduler.ticker import Ticker
+    from storage.broker import send_task
     from storage.settings import get_settings
 
     _logging()
@@ -80,8 +97,12 @@ def scheduler() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stopping.update(flag=True))
     ticker = Ticker(
         leases=get_lease_store(),
-        enqueue=lambda name, args: celery_app.send_task(name, args=list(args)),
+        enqueue=send_task,
         drains=s.drains,
+        retention_policy=RetentionPolicy(
+            orphan_grace_s=s.orphan_grace_s, result_body_grace_s=s.result_body_retention_s
+        ),
+        retention_interval_s=s.retention_interval_s,
     )
     # The capacity controller beside the ticker: if this process dies, the limit it published
     # lapses and admission falls back to the floor (fail closed).
@@ -133,6 +154,8 @@ def up(
     s = get_settings()
     env = dict(os.environ)
     env.setdefault("BACKFILL_HOME", str(s.home))
+    # The embedded mode is a development setup: its generated key starts with sk-dev.
+    env.setdefault("BACKFILL_ENVIRONMENT", "development")
     fleet = None
     if not s.fleet_url_list:
         from devfleet.fleet import Fleet

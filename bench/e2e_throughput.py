@@ -89,7 +89,8 @@ def main() -> None:
     ap.add_argument("--speedup", type=float, default=10.0, help="mocker speedup ratio (simulated time per wall second)")
     args = ap.parse_args()
 
-    from devfleet.fleet import Fleet, free_port
+    from devfleet.fleet import Fleet
+    from devfleet.processes import free_port
     from devfleet.s3 import SeaweedS3
     from tests.stack import Stack, create_database, drop_database, service_env
 
@@ -111,6 +112,7 @@ def main() -> None:
             "BACKFILL_BOOTSTRAP_API_KEY": key,
             "BACKFILL_MAX_INFLIGHT": str(args.concurrency),
             "BACKFILL_LOG_LEVEL": "WARNING",
+            "BACKFILL_RATE_LIMIT": "off",
         }
         stack = Stack(env=env, logdir=Path(tmp), api_port=free_port())
         try:

@@ -1,271 +1,31 @@
 """A simulated inference fleet: the real Dynamo frontend + N mocker workers on loopback.
 
-Every process runs in its own process group (so stop/kill also reaches anything it
-spawns) from the dedicated dynamo virtualenv, with file-based discovery in a
-per-fleet scratch directory: no etcd/NATS, and two fleets never see each other.
-Readiness and metrics probes use urllib so devfleet itself needs no HTTP client.
+Every process runs in its own process group from the dedicated dynamo
+virtualenv (see `processes`), with file-based discovery in a per-fleet scratch
+directory (see `dynamo_launch`). Aggregated or disaggregated (prefill + decode
+workers) is a flag, not another class: the two differ only in worker roles.
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
-import json
-import os
-import random
-import re
 import shutil
-import signal
-import socket
-import subprocess
 import tempfile
-import threading
 import time
-import urllib.error
-import urllib.request
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, NamedTuple
+from typing import NamedTuple
 
-from . import install, model
-
-LOOPBACK = "127.0.0.1"
-
-# ---------------------------------------------------------------------------
-# small process/port helpers (shared with devfleet.s3)
-# ---------------------------------------------------------------------------
-
-_given_ports: set[int] = set()
-_ports_lock = threading.Lock()
-
-
-# DYN_SYSTEM_PORT is parsed as an i16 by the Dynamo runtime ("expected i16 for key
-# SYSTEM_PORT"), so metrics ports must be <= 32767 -- below Linux's ephemeral range,
-# which is where bind(0) picks from. Such ports are drawn from this range instead.
-SYSTEM_PORT_RANGE = (20000, 32767)
-
-
-def _bindable(port: int, host: str) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(host: str = LOOPBACK, port_range: tuple[int, int] | None = None) -> int:
-    """A currently free TCP port, never the same one twice in this process.
-
-    The port is released before the child binds it, so a foreign process could
-    grab it in between; remembering what we handed out at least avoids
-    self-collisions when many ports are picked back to back. With `port_range`
-    (inclusive) the port is drawn at random from that range instead of bind(0).
-    """
-    rng = random.Random()  # seeded from os.urandom: parallel test processes diverge
-    with _ports_lock:
-        for _ in range(500):
-            if port_range:
-                port = rng.randint(*port_range)
-                if port in _given_ports or not _bindable(port, host):
-                    continue
-            else:
-                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                    s.bind((host, 0))
-                    port = s.getsockname()[1]
-            if port not in _given_ports:
-                _given_ports.add(port)
-                return port
-    raise RuntimeError("could not find a free port")
-
-
-# Loopback probes must never go through an http_proxy from the environment.
-_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
-    """GET returning (status, body); (0, b"") when nothing answers."""
-    try:
-        with _opener.open(url, timeout=timeout) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read() if e.fp else b""
-    except (OSError, ValueError):
-        return 0, b""
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Dynamo colours its logs even into files
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "(no log)"
-    return _ANSI.sub("", "".join(text.splitlines(True)[-lines:]))
-
-
-try:  # loaded in the parent: the child between fork and exec should do as little as possible
-    _LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
-except OSError:
-    _LIBC = None
-
-
-def _set_parent_death_signal() -> None:
-    """In the child before exec: SIGKILL it when the parent goes away (Linux).
-
-    Caveat (why it is opt-in): the kernel fires this when the *thread* that
-    forked exits, so only use it when the fleet is started from a long-lived
-    thread (e.g. the main thread of a CLI or a test session).
-    """
-    if _LIBC is not None:
-        _LIBC.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-
-
-def _proc_start_ticks(pid: int) -> str | None:
-    """Process start time (field 22 of /proc/PID/stat): tells a live owner from PID reuse."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
-def _process_env_has(pid: int, entry: str) -> bool:
-    try:
-        return entry.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return False
-
-
-def reap_stale_fleets(run_root: Path) -> list[int]:
-    """SIGKILL process groups of fleets whose owning process died without stop().
-
-    Each fleet records its owner and process groups in RUN_DIR/pids.json. A group
-    is killed only if its leader still carries that fleet's DYN_FILE_KV in its
-    environment, so a recycled PID is never touched. Returns the killed pgids.
-    """
-    killed: list[int] = []
-    for pid_file in Path(run_root).glob("*/pids.json"):
-        try:
-            info = json.loads(pid_file.read_text())
-        except (OSError, ValueError):
-            continue
-        owner = info.get("owner_pid")
-        if owner and _proc_start_ticks(owner) == info.get("owner_start"):
-            continue  # owner still running: not stale
-        marker = f"DYN_FILE_KV={pid_file.parent / 'kv'}"
-        for pgid in info.get("pgids", []):
-            if _process_env_has(pgid, marker):
-                try:
-                    os.killpg(pgid, signal.SIGKILL)
-                    killed.append(pgid)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        pid_file.unlink(missing_ok=True)
-    return killed
-
-
-class ManagedProcess:
-    """One child process in its own session/process group, logging to a file."""
-
-    def __init__(
-        self,
-        name: str,
-        cmd: Sequence[str],
-        env: Mapping[str, str],
-        log_path: Path,
-        cwd: Path | None = None,
-        die_with_parent: bool = False,
-    ):
-        self.name = name
-        self.die_with_parent = die_with_parent
-        self.cmd = [str(c) for c in cmd]
-        self.env = dict(env)
-        self.log_path = Path(log_path)
-        self.cwd = cwd
-        self.popen: subprocess.Popen[bytes] | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.popen.pid if self.popen else None
-
-    def start(self) -> None:
-        if self.alive():
-            raise RuntimeError(f"{self.name} is already running (pid {self.pid})")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            log.write(f"\n=== devfleet: starting {self.name}: {' '.join(self.cmd)}\n".encode())
-            log.flush()
-            # start_new_session: own process group, so killpg reaches grandchildren
-            # and a Ctrl-C in the parent's terminal is not delivered to it twice.
-            self.popen = subprocess.Popen(
-                self.cmd,
-                env=self.env,
-                cwd=self.cwd,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_set_parent_death_signal if self.die_with_parent else None,
-            )
-
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def signal_group(self, sig: int) -> None:
-        if self.popen is None:
-            return
-        try:
-            os.killpg(self.popen.pid, sig)  # pgid == pid thanks to start_new_session
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def kill(self) -> None:
-        """SIGKILL the whole group and reap it."""
-        self.signal_group(signal.SIGKILL)
-        if self.popen is not None:
-            try:
-                self.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-
-    def log_tail(self, lines: int = 30) -> str:
-        return _tail(self.log_path, lines)
-
-
-def stop_processes(procs: Sequence[ManagedProcess], grace: float = 8.0) -> None:
-    """SIGTERM every group, wait up to `grace` seconds in total, then SIGKILL.
-
-    The group is signalled even when the leader already exited, so stragglers it
-    left behind are not orphaned.
-    """
-    started = [(p, p.popen) for p in procs if p.popen is not None]
-    for p, _ in started:
-        p.signal_group(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for _, popen in started:
-        try:
-            popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for p, popen in started:
-        p.signal_group(signal.SIGKILL)  # no-op for groups that are fully gone
-        try:
-            popen.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
+from . import dynamo_launch, install, model
+from .dynamo_launch import DEFAULT_LOG_LEVEL
+from .processes import LOOPBACK, SYSTEM_PORT_RANGE, ManagedProcess, free_port, http_get, stop_processes
+from .reaper import forget_fleet_pids, reap_stale_fleets, record_fleet_pids
 
 
 class FleetStartError(RuntimeError):
     pass
-
-
-# ---------------------------------------------------------------------------
-# the fleet
-# ---------------------------------------------------------------------------
 
 
 class WorkerMetrics(NamedTuple):
@@ -286,13 +46,6 @@ class Worker:
         return f"http://{LOOPBACK}:{self.system_port}/metrics"
 
 
-# DYN_LOG is a tracing filter. At plain "info" the frontend writes ~4 KB and each
-# worker ~1 KB of log per request, which adds up in benchmarks; keep start-up and
-# discovery messages but silence the per-request lines.
-DEFAULT_LOG_LEVEL = (
-    "info,dynamo_llm::http::service=warn,dynamo_runtime::pipeline::network::ingress::push_handler=warn,mm_routing=error"
-)
-
 _live_fleets: weakref.WeakSet[Fleet] = weakref.WeakSet()
 
 
@@ -312,7 +65,7 @@ class Fleet:
     prefill mockers (each with its own bootstrap port) + `num_workers` decode
     mockers. Everything unset falls back to the mocker/frontend defaults.
     `die_with_parent` makes the children exit if this process dies (see
-    `_set_parent_death_signal` for the thread caveat); without it, fleets of a
+    `processes._set_parent_death_signal` for the thread caveat); without it, fleets of a
     SIGKILLed owner are reaped by the next Fleet.start() on the same run root.
     `ignore_unsupported_fields` makes the frontend accept (and drop) unknown
     top-level request fields instead of answering 400.
@@ -407,8 +160,7 @@ class Fleet:
 
     def pids(self) -> list[int]:
         """PIDs (= process-group ids) of the processes currently running."""
-        procs = ([self.frontend] if self.frontend else []) + [w.proc for w in self.workers]
-        return [p.popen.pid for p in procs if p.popen is not None and p.alive()]
+        return [p.popen.pid for p in self._procs() if p.popen is not None and p.alive()]
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -485,10 +237,9 @@ class Fleet:
         """Terminate all process groups (SIGTERM, then SIGKILL); idempotent."""
         if not self._started:
             return
-        procs = ([self.frontend] if self.frontend else []) + [w.proc for w in self.workers]
-        stop_processes(procs)
+        stop_processes(self._procs())
         if self.run_dir:
-            (self.run_dir / "pids.json").unlink(missing_ok=True)
+            forget_fleet_pids(self.run_dir)
         self._started = False
         _live_fleets.discard(self)
         if self.run_dir and not self.keep_run_dir and not self._run_dir_given:
@@ -520,146 +271,57 @@ class Fleet:
 
     # -- internals -----------------------------------------------------------
 
+    def _procs(self) -> list[ManagedProcess]:
+        return ([self.frontend] if self.frontend else []) + [w.proc for w in self.workers]
+
     def _record_pids(self) -> None:
         assert self.run_dir is not None
-        procs = ([self.frontend] if self.frontend else []) + [w.proc for w in self.workers]
-        info = {
-            "owner_pid": os.getpid(),
-            "owner_start": _proc_start_ticks(os.getpid()),
-            "pgids": [p.pid for p in procs if p.pid],
-        }
-        tmp = self.run_dir / "pids.json.tmp"
-        tmp.write_text(json.dumps(info))
-        os.replace(tmp, self.run_dir / "pids.json")
+        record_fleet_pids(self.run_dir, [p.pid for p in self._procs() if p.pid])
 
     def _base_env(self) -> dict[str, str]:
         assert self.run_dir is not None and self.python is not None
-        home = self.run_dir / "home"
-        (home / ".cache").mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "kv").mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "tmp").mkdir(parents=True, exist_ok=True)
-        # Start from the caller's env minus anything that would redirect Python to
-        # another venv or point Dynamo at shared infrastructure (etcd/NATS/other fleets).
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("DYN_", "ETCD_", "NATS_", "PYTHON", "VIRTUAL_ENV", "HF_"))
-            and k not in ("TRANSFORMERS_CACHE",)
-        }
-        venv_bin = str(Path(self.python).parent)
-        env.update(
-            PATH=venv_bin + os.pathsep + env.get("PATH", ""),
-            PYTHONUNBUFFERED="1",
-            HOME=str(home),
-            XDG_CACHE_HOME=str(home / ".cache"),  # frontend copies model cards here
-            HF_HOME=str(home / ".cache" / "huggingface"),
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            DO_NOT_TRACK="1",
-            TMPDIR=str(self.run_dir / "tmp"),
-            DYN_LOG=self.log_level,
-            DYN_FILE_KV=str(self.run_dir / "kv"),  # file discovery store, per fleet
-            DYN_DISCOVERY_BACKEND="file",
-            DYN_REQUEST_PLANE="tcp",
-            DYN_EVENT_PLANE="zmq",
-            DYN_TCP_RPC_HOST=LOOPBACK,
-            DYN_TCP_RESPONSE_STREAM_HOST=LOOPBACK,
-            DYN_EVENT_PLANE_HOST=LOOPBACK,
-            DYN_SYSTEM_HOST=LOOPBACK,
-            DYN_HTTP_RPC_HOST=LOOPBACK,  # prefill bootstrap host advertised to decode workers
+        return dynamo_launch.fleet_env(
+            run_dir=self.run_dir,
+            python=self.python,
+            log_level=self.log_level,
+            ignore_unsupported_fields=self.ignore_unsupported_fields,
+            extra_env=self.extra_env,
         )
-        if self.ignore_unsupported_fields:
-            # The frontend rejects unknown top-level fields (e.g. "priority") with
-            # 400 "Unsupported parameter(s)" unless told to ignore them.
-            env["DYN_IGNORE_OPENAI_FE_UNSUPPORTED_FIELDS"] = "1"
-        env.update(self.extra_env)
-        return env
-
-    _PLANES: ClassVar[tuple[str, ...]] = (
-        "--discovery-backend",
-        "file",
-        "--request-plane",
-        "tcp",
-        "--event-plane",
-        "zmq",
-    )
 
     def _frontend_cmd(self) -> list[str]:
-        cmd = [
-            str(self.python),
-            "-m",
-            "dynamo.frontend",
-            "--http-host",
-            self.http_host,
-            "--http-port",
-            str(self.http_port),
-            "--router-mode",
-            self.router_mode,
-            *self._PLANES,
-        ]
-        if self.router_queue_threshold is not None:
-            cmd += ["--router-queue-threshold", str(self.router_queue_threshold)]
-        if self.migration_limit is not None:
-            cmd += ["--migration-limit", str(self.migration_limit)]
-        return cmd + self.frontend_args
+        assert self.python is not None and self.http_port is not None
+        return dynamo_launch.frontend_cmd(
+            python=self.python,
+            http_host=self.http_host,
+            http_port=self.http_port,
+            router_mode=self.router_mode,
+            router_queue_threshold=self.router_queue_threshold,
+            migration_limit=self.migration_limit,
+            extra_args=self.frontend_args,
+        )
 
     def _worker_cmd(self, role: str, bootstrap_port: int | None) -> list[str]:
-        cmd = [
-            str(self.python),
-            "-m",
-            "dynamo.mocker",
-            "--model-path",
-            str(self.model_path),
-            "--model-name",
-            self.model_name,
-            "--speedup-ratio",
-            str(self.speedup_ratio),
-            *self._PLANES,
-        ]
-        for flag, value in (
-            ("--num-gpu-blocks-override", self.num_gpu_blocks),
-            ("--block-size", self.block_size),
-            ("--max-num-seqs", self.max_num_seqs),
-            ("--max-num-batched-tokens", self.max_num_batched_tokens),
-            ("--kv-bytes-per-token", self.kv_bytes_per_token),
-        ):
-            if value is not None:
-                cmd += [flag, str(value)]
-        if role != "agg":
-            cmd += ["--disaggregation-mode", role]
-        if bootstrap_port is not None:
-            cmd += ["--bootstrap-ports", str(bootstrap_port)]
-        return cmd + self.worker_args
-
-    def _models_listed(self) -> bool:
-        status, body = http_get(f"{self.base_url}/models")
-        if status != 200:
-            return False
-        try:
-            ids = [m.get("id") for m in json.loads(body).get("data", [])]
-        except (ValueError, AttributeError):
-            return False
-        return self.model_name in ids
+        assert self.python is not None and self.model_path is not None
+        return dynamo_launch.mocker_cmd(
+            python=self.python,
+            model_path=self.model_path,
+            model_name=self.model_name,
+            speedup_ratio=self.speedup_ratio,
+            role=role,
+            bootstrap_port=bootstrap_port,
+            num_gpu_blocks=self.num_gpu_blocks,
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            extra_args=self.worker_args,
+        )
 
     def _check_alive(self, procs: Sequence[ManagedProcess] | None = None) -> None:
-        if procs is None:
-            procs = ([self.frontend] if self.frontend else []) + [w.proc for w in self.workers]
-        for p in procs:
+        for p in self._procs() if procs is None else procs:
             if not p.alive():
                 code = p.popen.returncode if p.popen else "?"
                 raise FleetStartError(self._failure(f"{p.name} exited with code {code}"))
-
-    def _registered_workers(self) -> int | None:
-        """Workers the frontend's KV router has registered; None if it exports no such gauge."""
-        status, body = http_get(self.frontend_metrics_url)
-        if status != 200:
-            return 0
-        seen, count = False, 0
-        for line in body.decode(errors="replace").splitlines():
-            if line.startswith("dynamo_component_router_worker_registered{"):
-                seen = True
-                count += float(line.rsplit(" ", 1)[1]) >= 1
-        return count if seen else None
 
     def _wait_frontend(self, deadline: float, expected_workers: int, procs: Sequence[ManagedProcess]) -> None:
         """Model listed; with the KV router also every worker (prefill ones included) registered.
@@ -669,10 +331,10 @@ class Fleet:
         """
         while True:
             self._check_alive(procs)
-            if self._models_listed():
+            if dynamo_launch.model_listed(self.base_url, self.model_name):
                 if self.router_mode != "kv":
                     return
-                registered = self._registered_workers()
+                registered = dynamo_launch.registered_workers(self.frontend_metrics_url)
                 if registered is not None and registered >= expected_workers:
                     return
             if time.monotonic() > deadline:
@@ -704,7 +366,6 @@ class Fleet:
 
     def _failure(self, what: str) -> str:
         parts = [f"devfleet: {what} (logs in {self.run_dir})"]
-        procs = ([self.frontend] if self.frontend else []) + [w.proc for w in self.workers]
-        for p in procs:
+        for p in self._procs():
             parts.append(f"--- {p.log_path.name} (tail) ---\n{p.log_tail()}")
         return "\n".join(parts)

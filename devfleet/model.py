@@ -21,7 +21,10 @@ import sys
 import sysconfig
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported lazily at run time: only building the model needs it
+    from tokenizers import Tokenizer
 
 # Bump when the directory layout or contents change so old builds get rebuilt.
 MODEL_FORMAT_VERSION = 1
@@ -95,7 +98,7 @@ def _training_files(limit_bytes: int = _MAX_TRAINING_BYTES) -> list[str]:
     return files
 
 
-def _train_tokenizer(vocab_size: int) -> Any:  # tokenizers.Tokenizer
+def _train_tokenizer(vocab_size: int) -> Tokenizer:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from . import install
-from .fleet import LOOPBACK, ManagedProcess, free_port, stop_processes
+from .processes import LOOPBACK, ManagedProcess, free_port, stop_processes
 
 # Keep every port (and port + 10000, in case a gRPC default slips through) valid.
 _PORT_RANGE = (20000, 32767)
@@ -59,7 +59,7 @@ class SeaweedS3:
     def endpoint_url(self) -> str:
         return f"http://{LOOPBACK}:{self.port}"
 
-    def client(self, **config: Any) -> Any:
+    def client(self, **config: Any) -> Any:  # boto3 ships no stubs; boto3-stubs[s3] would make this S3Client
         """A boto3 S3 client for this server (path-style addressing).
 
         Keyword arguments become botocore `Config` options (e.g. read_timeout=5).

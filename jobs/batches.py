@@ -115,16 +115,18 @@ def list_batches(session: Session, *, team_id: str | None, limit: int, after: st
 def cancel_batch(session: Session, *, team_id: str | None, batch_id: str) -> Batch:
     """Compare-and-set to `cancelling`; the scheduler drains in-flight work and finishes the job."""
     batch = get_batch(session, team_id=team_id, batch_id=batch_id)
-    if batch.status == BatchStatus.cancelling:
-        return batch
-    now = utcnow()
+    if batch.status != BatchStatus.cancelling:
+        _move_to_cancelling(session, batch)
+    return batch
+
+
+def _move_to_cancelling(session: Session, batch: Batch) -> None:
     result = session.execute(
         update(Batch)
         .where(Batch.id == batch.id, Batch.status.in_([BatchStatus.validating, BatchStatus.in_progress]))
-        .values(status=BatchStatus.cancelling, cancelling_at=now)
+        .values(status=BatchStatus.cancelling, cancelling_at=utcnow())
         .execution_options(synchronize_session=False)
     )
-    session.refresh(batch)
+    session.refresh(batch)  # a racing cancel or finish may have moved it meanwhile
     if result.rowcount == 0 and batch.status != BatchStatus.cancelling:  # type: ignore[attr-defined]
         raise Conflict(f"Cannot cancel a batch with status '{batch.status}'.", param="batch_id")
-    return batch

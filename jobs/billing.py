@@ -4,8 +4,8 @@ A batch is billed at the prices in force when it was created: `create_batch` sto
 list's version (the newest price row id) on the batch, and a request is priced with the newest
 row for its model that is no newer than that version and already effective at creation time.
 
-The ledger entry is written by a hook that `jobs.execution.record_outcome` calls inside the
-transaction that stores the request's result under a compare-and-set; the unique
+The ledger entry is written by `record_usage`, which `jobs.results.record_outcomes` calls inside
+the transaction that stores the request's result under a compare-and-set; the unique
 (batch_id, line) constraint and an insert that ignores duplicates make a second write a no-op.
 """
 
@@ -23,8 +23,8 @@ from sqlalchemy.orm import Session
 
 from jobs.billing_models import Price, UsageLedgerEntry
 from jobs.errors import InvalidRequest
-from jobs.execution import Outcome, on_result
 from jobs.models import Batch, utcnow
+from jobs.replies import Outcome
 
 log = logging.getLogger("backfill.billing")
 
@@ -210,7 +210,6 @@ def _insert_ignoring_duplicates(session: Session, rows: list[dict[str, Any]]) ->
         )
 
 
-@on_result
 def record_usage(session: Session, batch: Batch, results: Sequence[tuple[int, Outcome]]) -> None:
     """Ledger entries for executed requests, one per line. Failed requests (4xx, retries
     exhausted) cost nothing; cancelled and expired lines never reach `record_outcomes`."""

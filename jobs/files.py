@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import unicodedata
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 
-from sqlalchemy import select, tuple_
+from sqlalchemy import String, select, tuple_
 from sqlalchemy.orm import Session
 
 from jobs.errors import InvalidRequest, NotFound, TooLarge
@@ -14,6 +16,42 @@ from storage.objects import ObjectStore, ObjectTooLarge
 
 UPLOAD_PURPOSES = frozenset({"batch", "assistants", "fine-tune", "vision", "user_data", "evals"})
 MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 24 * 3600
+
+
+def _column_length(column: str) -> int:
+    kind = File.__table__.c[column].type
+    assert isinstance(kind, String) and kind.length is not None
+    return kind.length
+
+
+# Taken from the column, so the check and the table can never disagree.
+MAX_FILENAME_CHARS = _column_length("filename")
+DEFAULT_FILENAME = "upload.jsonl"
+# An error message quotes at most this much of a client's value.
+QUOTE_CHARS = 100
+
+
+class UploadInterrupted(InvalidRequest):
+    """The upload's body ended (client gone, idle too long, a later field refused) before its
+    end was seen: raised inside the object store's write so that it fails instead of
+    completing with truncated data."""
+
+    code = "upload_interrupted"
+
+
+@dataclass(frozen=True)
+class UploadOptions:
+    """The checked non-file fields of `POST /v1/files`."""
+
+    purpose: str
+    expires_after_s: int | None
+
+
+def quote_value(value: str) -> str:
+    """A client's value for an error message: repr'd, so control characters show, and cut short."""
+    if len(value) <= QUOTE_CHARS:
+        return repr(value)
+    return f"{value[:QUOTE_CHARS]!r}... ({len(value)} characters)"
 
 
 def file_key(team_id: str, file_id: str) -> str:
@@ -37,14 +75,68 @@ def store_upload(store: ObjectStore, key: str, chunks: Iterable[bytes], *, max_b
     except ObjectTooLarge as exc:
         store.delete(key)
         raise TooLarge(f"File is larger than the maximum of {exc.limit} bytes.", param="file") from exc
+    except UploadInterrupted:
+        # A store that wrote in place must not keep the truncated part (atomic stores kept nothing).
+        store.delete(key)
+        raise
 
 
 def check_purpose(purpose: str | None) -> str:
     if not purpose:
         raise InvalidRequest("Missing required parameter: 'purpose'.", param="purpose")
     if purpose not in UPLOAD_PURPOSES:
-        raise InvalidRequest(f"'{purpose}' is not one of {sorted(UPLOAD_PURPOSES)} - 'purpose'", param="purpose")
+        raise InvalidRequest(
+            f"{quote_value(purpose)} is not one of {sorted(UPLOAD_PURPOSES)} - 'purpose'", param="purpose"
+        )
     return purpose
+
+
+def check_filename(filename: str) -> str:
+    """Refuse a name the files table cannot hold or a download header could be bent by; an
+    empty name gets the default. Checked before the object store write begins."""
+    if len(filename) > MAX_FILENAME_CHARS:
+        raise InvalidRequest(
+            f"The file name is {len(filename)} characters long; the limit is {MAX_FILENAME_CHARS}.",
+            param="file",
+            code="invalid_filename",
+        )
+    # Cc covers NUL (which Postgres text refuses), the other C0 controls, DEL and C1 controls.
+    if any(unicodedata.category(c) == "Cc" for c in filename):
+        raise InvalidRequest(
+            f"The file name {quote_value(filename)} contains control characters.", param="file", code="invalid_filename"
+        )
+    return filename or DEFAULT_FILENAME
+
+
+def _parse_expiry_seconds(text: str) -> int:
+    # int() also takes "1_000", " 12 " and other scripts' digits; the form takes ASCII digits only.
+    if not (text.isascii() and text.isdigit()) or len(text) > 12:
+        raise InvalidRequest(
+            f"'expires_after[seconds]' must be an integer, got {quote_value(text)}.",
+            param="expires_after.seconds",
+            code="invalid_value",
+        )
+    return int(text)
+
+
+def check_upload_field(name: str, value: str) -> None:
+    """Check one non-file field as soon as it has arrived, so a bad value stops the upload
+    before (or while) the file streams, never after it is stored."""
+    if name == "purpose":
+        check_purpose(value)
+    elif name == "expires_after[anchor]":
+        validate_expiry(value, MIN_EXPIRY_S, param="expires_after")
+    elif name == "expires_after[seconds]":
+        validate_expiry("created_at", _parse_expiry_seconds(value), param="expires_after")
+
+
+def upload_options(fields: Mapping[str, str]) -> UploadOptions:
+    """All non-file fields of an upload, checked together (a missing purpose, half an expiry)."""
+    purpose = check_purpose(fields.get("purpose"))
+    anchor = fields.get("expires_after[anchor]")
+    seconds = fields.get("expires_after[seconds]")
+    secs = _parse_expiry_seconds(seconds) if seconds is not None else None
+    return UploadOptions(purpose=purpose, expires_after_s=validate_expiry(anchor, secs, param="expires_after"))
 
 
 def record_upload(
@@ -63,11 +155,12 @@ def record_upload(
     now = utcnow()
     if expires_after_s is None and purpose == "batch":
         expires_after_s = default_batch_expiry_s
+    purpose = check_purpose(purpose)
     row = File(
         id=file_id,
         team_id=team_id,
         purpose=purpose,
-        filename=filename or "upload.jsonl",
+        filename=check_filename(filename),
         bytes=size,
         object_key=file_key(team_id, file_id),
         created_at=now,

@@ -16,6 +16,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     DateTime,
+    Enum,
     Float,
     ForeignKey,
     Index,
@@ -69,6 +70,18 @@ class BatchStatus(enum.StrEnum):
     cancelled = "cancelled"
 
 
+# Stored as the enum's value in the VARCHAR(16) column the initial migration made: no native
+# database enum and no CHECK constraint, so a new status of up to 16 characters needs no
+# migration. Unknown strings are refused on the way in; rows come back as `BatchStatus` members.
+_BATCH_STATUS = Enum(
+    BatchStatus,
+    native_enum=False,
+    create_constraint=False,
+    length=16,
+    validate_strings=True,
+    values_callable=lambda statuses: [s.value for s in statuses],
+)
+
 TERMINAL_STATUSES = frozenset({BatchStatus.failed, BatchStatus.completed, BatchStatus.expired, BatchStatus.cancelled})
 
 
@@ -79,9 +92,6 @@ class RequestState(enum.StrEnum):
     failed = "failed"  # fleet answered 4xx, or retries ran out: error file with the fleet's answer
     cancelled = "cancelled"  # batch_cancelled error line
     expired = "expired"  # batch_expired error line
-
-
-FINISHED_STATES = frozenset({RequestState.succeeded, RequestState.failed, RequestState.cancelled, RequestState.expired})
 
 
 class Team(Base):
@@ -116,8 +126,13 @@ class File(Base):
     created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
     expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
     deleted_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+    # When retention removed the object (the row stays: batches and the ledger still name it).
+    purged_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
 
-    __table_args__ = (Index("ix_files_team_created", "team_id", "created_at", "id"),)
+    __table_args__ = (
+        Index("ix_files_team_created", "team_id", "created_at", "id"),
+        Index("ix_files_object_key", "object_key"),
+    )
 
 
 class Batch(Base):
@@ -128,7 +143,7 @@ class Batch(Base):
     endpoint: Mapped[str] = mapped_column(String(64))
     model: Mapped[str | None] = mapped_column(String(256), nullable=True)
     completion_window: Mapped[str] = mapped_column(String(16))
-    status: Mapped[str] = mapped_column(String(16), default=BatchStatus.validating, index=True)
+    status: Mapped[BatchStatus] = mapped_column(_BATCH_STATUS, default=BatchStatus.validating, index=True)
     metadata_: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON, nullable=True)
     output_expires_after_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
     errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
@@ -157,6 +172,8 @@ class Batch(Base):
     # Estimated prompt + max output tokens of the whole batch (quotas, forecasts).
     token_estimate: Mapped[int] = mapped_column(BigInteger, default=0)
     price_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # When retention removed the response bodies from the database (the result files keep them).
+    bodies_purged_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
 
     __table_args__ = (Index("ix_batches_team_created", "team_id", "created_at", "id"),)
 

@@ -1,22 +1,36 @@
 """Finalization: output.jsonl and error.jsonl in OpenAI's line format, then the terminal status.
 
-Object keys and file ids derive from the batch id, so finalizing twice (a crash between
-writing the files and the status change) rewrites the same bytes and the same rows.
+Three short units of work, so no row lock is held while bytes move:
+1. in_progress -> finalizing by compare-and-set once no line is left to run, committed at once;
+2. the files, streamed from a read-only query straight into the object store;
+3. a compare-and-set to the terminal status that, when it wins, creates the File rows.
+
+Once a batch is finalizing (or cancelling with nothing running) its lines no longer change, and
+object keys and file ids derive from the batch id, so a finalization redone after a crash (or
+run twice at once) rewrites the same bytes at the same keys; only the step-3 winner writes rows.
+
+A cancel that arrives while the files are written answers at once: a `finalizing` batch is past
+cancelling, so `cancel_batch` refuses it with a conflict (as before) and the batch completes; a
+batch that was already `cancelling` stays so and ends `cancelled`.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import orjson
-from sqlalchemy import case, func, select, update
+from sqlalchemy import Exists, case, exists, func, select, update
 from sqlalchemy.orm import Session
 
 from jobs.models import Batch, BatchRequest, BatchStatus, File, RequestState, utcnow
 from storage.objects import ObjectStore
+
+UnitOfWork = Callable[[], AbstractContextManager[Session]]
 
 ERROR_MESSAGES = {
     RequestState.cancelled: ("batch_cancelled", "This request was not executed because the batch was cancelled."),
@@ -25,6 +39,8 @@ ERROR_MESSAGES = {
         "This request could not be executed before the completion window expired.",
     ),
 }
+OUTPUT_STATES = (RequestState.succeeded,)
+ERROR_STATES = (RequestState.failed, RequestState.cancelled, RequestState.expired)
 _ROWS_PER_FETCH = 1000
 
 
@@ -36,134 +52,196 @@ def output_key(team_id: str, batch_id: str, kind: str) -> str:
     return f"batches/{team_id}/{batch_id}/{kind}.jsonl"
 
 
-def _line(row: BatchRequest) -> bytes:
-    head = (
-        b'{"id":'
-        + orjson.dumps(f"batch_req_{row.result_id or row.line}")
-        + b',"custom_id":'
-        + orjson.dumps(row.custom_id)
-    )
-    if row.state in ERROR_MESSAGES:
-        code, message = ERROR_MESSAGES[RequestState(row.state)]
-        error = orjson.dumps({"code": code, "message": message})
-        return head + b',"response":null,"error":' + error + b"}\n"
+_ANSWER_LINE = b'{"id":%b,"custom_id":%b,"response":{"status_code":%b,"request_id":%b,"body":%b},"error":null}\n'
+_ERROR_LINE = b'{"id":%b,"custom_id":%b,"response":null,"error":%b}\n'
+_ERROR_BODIES = {
+    state: orjson.dumps({"code": code, "message": message}) for state, (code, message) in ERROR_MESSAGES.items()
+}
+
+
+def _line(
+    line: int,
+    result_id: str | None,
+    custom_id: str,
+    state: str,
+    status_code: int | None,
+    request_id: str | None,
+    body: str | None,
+) -> bytes:
+    line_id = orjson.dumps(f"batch_req_{result_id or line}")
+    error = _ERROR_BODIES.get(RequestState(state))
+    if error is not None:
+        return _ERROR_LINE % (line_id, orjson.dumps(custom_id), error)
     # The fleet's body is embedded as the JSON bytes it sent (normalised when recorded).
-    response = (
-        b'{"status_code":'
-        + str(row.status_code).encode()
-        + b',"request_id":'
-        + orjson.dumps(row.request_id or "")
-        + b',"body":'
-        + (row.response_body or "null").encode()
-        + b"}"
+    return _ANSWER_LINE % (
+        line_id,
+        orjson.dumps(custom_id),
+        b"null" if status_code is None else b"%d" % status_code,
+        orjson.dumps(request_id or ""),
+        (body or "null").encode(),
     )
-    return head + b',"response":' + response + b',"error":null}\n'
 
 
-def _lines(session: Session, batch_id: str, states: Sequence[str]) -> Iterator[bytes]:
+def result_lines(session: Session, batch_id: str, states: Sequence[str]) -> Iterator[bytes]:
+    """The file's lines in input order, fetched a page at a time (a server-side cursor on Postgres)."""
     rows = session.execute(
-        select(BatchRequest)
+        select(
+            BatchRequest.line,
+            BatchRequest.result_id,
+            BatchRequest.custom_id,
+            BatchRequest.state,
+            BatchRequest.status_code,
+            BatchRequest.request_id,
+            BatchRequest.response_body,
+        )
         .where(BatchRequest.batch_id == batch_id, BatchRequest.state.in_(states))
         .order_by(BatchRequest.line)
         .execution_options(yield_per=_ROWS_PER_FETCH)
-    ).scalars()
-    for row in rows:
-        yield _line(row)
-        session.expunge(row)
+    )
+    for line, result_id, custom_id, state, status_code, request_id, body in rows:
+        yield _line(line, result_id, custom_id, state, status_code, request_id, body)
 
 
-def finalize_batch(session: Session, store: ObjectStore, *, batch_id: str) -> str | None:
-    """Write the result files and move the batch to its terminal status. Idempotent."""
+@dataclass(frozen=True)
+class _Plan:
+    batch_id: str
+    team_id: str
+    status: BatchStatus  # finalizing or cancelling: what step 3 compares against
+    expired: bool
+    output_expires_after_s: int | None
+
+
+@dataclass
+class _Written:
+    succeeded: int = 0
+    errored: int = 0
+    usage: tuple[int, int, int, int] = (0, 0, 0, 0)
+    sizes: dict[str, int] = field(default_factory=dict)  # kind -> bytes, for the files written
+
+
+def _unfinished(batch_id: str) -> Exists:
+    return exists().where(
+        BatchRequest.batch_id == batch_id,
+        BatchRequest.state.in_([RequestState.pending, RequestState.running]),
+    )
+
+
+def _begin(session: Session, batch_id: str) -> _Plan | BatchStatus | None:
     batch = session.get(Batch, batch_id)
     if batch is None:
         return None
     if batch.status == BatchStatus.in_progress:
         session.execute(
             update(Batch)
-            .where(Batch.id == batch_id, Batch.status == BatchStatus.in_progress)
+            .where(Batch.id == batch_id, Batch.status == BatchStatus.in_progress, ~_unfinished(batch_id))
             .values(status=BatchStatus.finalizing, finalizing_at=utcnow())
+            .execution_options(synchronize_session=False)
         )
         session.refresh(batch)
     if batch.status not in (BatchStatus.finalizing, BatchStatus.cancelling):
         return batch.status
-    unfinished = session.execute(
-        select(func.count()).where(
-            BatchRequest.batch_id == batch_id,
-            BatchRequest.state.in_([RequestState.pending, RequestState.running]),
-        )
-    ).scalar_one()
-    if unfinished:
-        return batch.status
+    if session.execute(select(_unfinished(batch_id))).scalar():
+        return batch.status  # a cancelling batch still draining its running lines
+    return _Plan(
+        batch_id=batch_id,
+        team_id=batch.team_id,
+        status=batch.status,
+        expired=batch.expired_at is not None,
+        output_expires_after_s=batch.output_expires_after_s,
+    )
 
+
+def _write_files(session: Session, store: ObjectStore, plan: _Plan) -> _Written:
+    """Read-only: the lines of a finalizing batch are settled, so no lock is taken or needed."""
     counts = dict(
         session.execute(
             select(BatchRequest.state, func.count())
-            .where(BatchRequest.batch_id == batch_id)
+            .where(BatchRequest.batch_id == plan.batch_id)
             .group_by(BatchRequest.state)
         ).all()
     )
-    succeeded = counts.get(RequestState.succeeded, 0)
-    errored = sum(counts.get(s, 0) for s in (RequestState.failed, RequestState.cancelled, RequestState.expired))
-    now = utcnow()
-    expires = now + timedelta(seconds=batch.output_expires_after_s) if batch.output_expires_after_s else None
-    file_ids: dict[str, str | None] = {"output": None, "error": None}
-    for kind, n, states in (
-        ("output", succeeded, [RequestState.succeeded]),
-        ("error", errored, [RequestState.failed, RequestState.cancelled, RequestState.expired]),
-    ):
-        if not n:
-            continue
-        key = output_key(batch.team_id, batch_id, kind)
-        size = store.put(key, _lines(session, batch_id, states))
-        file_id = derived_file_id(batch_id, kind)
-        session.merge(
-            File(
-                id=file_id,
-                team_id=batch.team_id,
-                purpose="batch_output",
-                filename=f"batch_{batch_id}_{kind}.jsonl",
-                bytes=size,
-                object_key=key,
-                created_at=now,
-                expires_at=expires,
-            )
-        )
-        file_ids[kind] = file_id
-
     usage = session.execute(
         select(
             func.coalesce(func.sum(BatchRequest.prompt_tokens), 0),
             func.coalesce(func.sum(BatchRequest.cached_tokens), 0),
             func.coalesce(func.sum(BatchRequest.completion_tokens), 0),
             func.coalesce(func.sum(BatchRequest.reasoning_tokens), 0),
-        ).where(BatchRequest.batch_id == batch_id, BatchRequest.state == RequestState.succeeded)
+        ).where(BatchRequest.batch_id == plan.batch_id, BatchRequest.state == RequestState.succeeded)
     ).one()
-    terminal = (
-        BatchStatus.cancelled
-        if batch.status == BatchStatus.cancelling
-        else BatchStatus.expired
-        if batch.expired_at is not None
-        else BatchStatus.completed
+    written = _Written(
+        succeeded=sum(counts.get(s, 0) for s in OUTPUT_STATES),
+        errored=sum(counts.get(s, 0) for s in ERROR_STATES),
+        usage=(int(usage[0]), int(usage[1]), int(usage[2]), int(usage[3])),
     )
-    stamp = {BatchStatus.cancelled: "cancelled_at", BatchStatus.completed: "completed_at"}.get(terminal)
+    for kind, n, states in (("output", written.succeeded, OUTPUT_STATES), ("error", written.errored, ERROR_STATES)):
+        if n:
+            key = output_key(plan.team_id, plan.batch_id, kind)
+            written.sizes[kind] = store.put(key, result_lines(session, plan.batch_id, states))
+    return written
+
+
+def _complete(session: Session, plan: _Plan, written: _Written) -> BatchStatus | None:
+    now = utcnow()
+    stamp: str | None
+    if plan.status == BatchStatus.cancelling:
+        terminal, stamp = BatchStatus.cancelled, "cancelled_at"
+    elif plan.expired:
+        terminal, stamp = BatchStatus.expired, None  # expired_at was set when the window closed
+    else:
+        terminal, stamp = BatchStatus.completed, "completed_at"
+    file_ids = {kind: derived_file_id(plan.batch_id, kind) for kind in written.sizes}
     values: dict[str, Any] = {
         "status": terminal,
-        "output_file_id": file_ids["output"],
-        "error_file_id": file_ids["error"],
-        "completed": succeeded,
-        "failed": errored,
-        "input_tokens": usage[0],
-        "cached_tokens": usage[1],
-        "output_tokens": usage[2],
-        "reasoning_tokens": usage[3],
+        "output_file_id": file_ids.get("output"),
+        "error_file_id": file_ids.get("error"),
+        "completed": written.succeeded,
+        "failed": written.errored,
+        "input_tokens": written.usage[0],
+        "cached_tokens": written.usage[1],
+        "output_tokens": written.usage[2],
+        "reasoning_tokens": written.usage[3],
         "finalizing_at": case((Batch.finalizing_at.is_(None), now), else_=Batch.finalizing_at),
     }
     if stamp:
         values[stamp] = now
-    session.execute(
+    won = session.execute(
         update(Batch)
-        .where(Batch.id == batch_id, Batch.status == batch.status)
+        .where(Batch.id == plan.batch_id, Batch.status == plan.status)
         .values(**values)
         .execution_options(synchronize_session=False)
     )
+    if won.rowcount == 0:  # type: ignore[attr-defined]
+        # Another finalization got there first (its rows name the same files), or the batch is gone.
+        return session.execute(select(Batch.status).where(Batch.id == plan.batch_id)).scalar()
+    expires = now + timedelta(seconds=plan.output_expires_after_s) if plan.output_expires_after_s else None
+    for kind, size in written.sizes.items():
+        session.merge(
+            File(
+                id=file_ids[kind],
+                team_id=plan.team_id,
+                purpose="batch_output",
+                filename=f"batch_{plan.batch_id}_{kind}.jsonl",
+                bytes=size,
+                object_key=output_key(plan.team_id, plan.batch_id, kind),
+                created_at=now,
+                expires_at=expires,
+            )
+        )
+    session.flush()
     return terminal
+
+
+def finalize_batch(units: UnitOfWork, store: ObjectStore, *, batch_id: str) -> BatchStatus | None:
+    """Write the result files, then move the batch to its terminal status. Idempotent.
+
+    `units` opens one committed transaction per call (`storage.db.unit_of_work`, or a
+    sessionmaker's `begin`). Returns the batch's status afterwards, None for an unknown batch.
+    """
+    with units() as session:
+        plan = _begin(session, batch_id)
+    if not isinstance(plan, _Plan):
+        return plan
+    with units() as session:
+        written = _write_files(session, store, plan)
+    with units() as session:
+        return _complete(session, plan, written)

@@ -69,7 +69,7 @@ def quota_errors(
         select(func.count(), func.coalesce(func.sum(Batch.token_estimate), 0)).where(
             Batch.team_id == team_id,
             Batch.model == model,
-            Batch.status.in_([s.value for s in _UNFINISHED]),
+            Batch.status.in_(_UNFINISHED),
             Batch.id != batch_id,
         )
     ).one()

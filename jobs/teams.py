@@ -7,7 +7,7 @@ import hmac
 import secrets
 from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from jobs.errors import Conflict, NotFound, Unauthorized
@@ -80,22 +80,37 @@ def create_key(session: Session, *, team_id: str, name: str = "", is_admin: bool
     return key, raw
 
 
+CONFIGURED_BOOTSTRAP = "configured bootstrap"
+CONFIGURED_ADMIN = "configured admin"
+LEGACY_CONFIGURED = "configured"  # keys installed before the two kinds had names of their own
+
+
 def ensure_key(session: Session, *, team_name: str, raw_key: str, is_admin: bool = False) -> None:
-    """Install a configured key (bootstrap or admin) idempotently."""
+    """Install a configured key (bootstrap or admin) idempotently. It is the only configured key
+    of its kind: installing a new value revokes the previous one (rotation)."""
     team = get_or_create_team(session, name=team_name)
     digest = hash_key(raw_key)
+    name = CONFIGURED_ADMIN if is_admin else CONFIGURED_BOOTSTRAP
+    now = utcnow()
+    session.execute(
+        update(ApiKey)
+        .where(
+            ApiKey.name.in_([name, LEGACY_CONFIGURED]),
+            ApiKey.is_admin == is_admin,
+            ApiKey.key_hash != digest,
+            ApiKey.revoked_at.is_(None),
+        )
+        .values(revoked_at=now)
+        .execution_options(synchronize_session=False)
+    )
     existing = session.execute(select(ApiKey).where(ApiKey.key_hash == digest)).scalar_one_or_none()
     if existing is None:
         session.add(
-            ApiKey(
-                team_id=team.id,
-                name="configured",
-                prefix=visible_prefix(raw_key),
-                key_hash=digest,
-                is_admin=is_admin,
-            )
+            ApiKey(team_id=team.id, name=name, prefix=visible_prefix(raw_key), key_hash=digest, is_admin=is_admin)
         )
-        session.flush()
+    elif existing.name != name and existing.is_admin == is_admin:
+        existing.name = name  # a key from before kinds were named; a revoked key stays revoked
+    session.flush()
 
 
 def list_teams(session: Session) -> list[Team]:

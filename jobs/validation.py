@@ -1,25 +1,59 @@
 """Validation of a batch input file: every line checked, every problem reported with its line.
 
 Valid batches get a compact request index (line, byte offset and length, custom_id, prompt
-prefix fingerprint, token estimate) instead of one queue message per line.
+prefix fingerprint, token estimate) instead of one queue message per line. Nothing a user can
+write makes validation raise; an unexpected failure ends the batch through
+`fail_batch_validation` instead of retrying it until it expires.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterable, Iterator
+from array import array
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
+from hashlib import blake2b
+from itertools import islice
 from typing import Any
 
-import orjson
-from sqlalchemy import delete, insert, update
+from sqlalchemy import delete, insert, select, update
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 
+from jobs.catalog import FleetUnavailable
 from jobs.models import Batch, BatchRequest, BatchStatus, RequestState, utcnow
 from jobs.quotas import quota_errors
+from jobs.validation_lines import (
+    INT32_MAX,
+    INT64_MAX,
+    PREFIX_CHARS,
+    check_line,
+    iter_lines,
+    iter_lines_bounded,
+    max_output_tokens,
+    prompt_text,
+    quote,
+)
 
-PREFIX_CHARS = 1024
-DEFAULT_MAX_OUTPUT_ESTIMATE = 1024
+# iter_lines, max_output_tokens and prompt_text are also read by the CLI's local estimate.
+__all__ = [
+    "Limits",
+    "RequestIndex",
+    "ValidationResult",
+    "apply_validation",
+    "fail_batch_validation",
+    "is_transient_validation_error",
+    "iter_lines",
+    "iter_lines_bounded",
+    "max_output_tokens",
+    "prompt_text",
+    "validate_lines",
+    "validation_failure_message",
+]
+
+VALIDATION_FAILED_CODE = "validation_failed"
+INSERT_ROWS = 5000
+MESSAGE_CHARS = 500
 
 
 @dataclass
@@ -29,63 +63,51 @@ class Limits:
     max_errors: int
 
 
+class RequestIndex(Collection[dict[str, Any]]):
+    """The index rows of a valid batch, kept in arrays: about 100 bytes a line instead of a
+    dict's 600, so a million-line batch fits a worker's memory."""
+
+    def __init__(self) -> None:
+        self._numbers = array("q")  # line, offset, length, token estimate of each request
+        self._prefixes = bytearray()  # 8 bytes of prompt-prefix fingerprint each
+        self._custom_ids: list[str] = []
+
+    def add(self, line: int, offset: int, length: int, custom_id: str, prefix: bytes, token_estimate: int) -> None:
+        self._numbers.extend((line, offset, length, token_estimate))
+        self._prefixes += prefix
+        self._custom_ids.append(custom_id)
+
+    def __len__(self) -> int:
+        return len(self._custom_ids)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        n, p = self._numbers, self._prefixes
+        for i, custom_id in enumerate(self._custom_ids):
+            yield {
+                "line": n[4 * i],
+                "custom_id": custom_id,
+                "offset": n[4 * i + 1],
+                "length": n[4 * i + 2],
+                "prefix_hash": p[8 * i : 8 * i + 8].hex(),
+                "token_estimate": n[4 * i + 3],
+            }
+
+    def __contains__(self, item: object) -> bool:
+        return any(row == item for row in self)
+
+
 @dataclass
 class ValidationResult:
     errors: list[dict[str, Any]] = field(default_factory=list)
     error_count: int = 0
-    requests: list[dict[str, Any]] = field(default_factory=list)
+    requests: Collection[dict[str, Any]] = field(default_factory=RequestIndex)
     model: str | None = None
     token_estimate: int = 0
 
     def add_error(self, limits: Limits, *, code: str, message: str, line: int | None, param: str | None = None) -> None:
         self.error_count += 1
         if len(self.errors) < limits.max_errors:
-            self.errors.append({"code": code, "message": message, "param": param, "line": line})
-
-
-def iter_lines(chunks: Iterable[bytes]) -> Iterator[tuple[int, int, bytes]]:
-    """Yield (1-based line number, byte offset, raw line without the newline)."""
-    buf = b""
-    offset = 0
-    number = 0
-    for chunk in chunks:
-        buf += chunk
-        start = 0
-        while (nl := buf.find(b"\n", start)) >= 0:
-            number += 1
-            yield number, offset + start, buf[start:nl]
-            start = nl + 1
-        offset += start
-        buf = buf[start:]
-    if buf:
-        yield number + 1, offset, buf
-
-
-def prompt_text(endpoint: str, body: dict[str, Any]) -> str:
-    """The text a prompt starts with, used for prefix grouping and token estimates."""
-    if endpoint == "/v1/chat/completions":
-        parts: list[str] = []
-        for message in body.get("messages") or []:
-            if not isinstance(message, dict):
-                continue
-            content = message.get("content")
-            if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            parts.append(f"<{message.get('role')}>{content if isinstance(content, str) else ''}")
-        return "".join(parts)
-    key = "input" if endpoint in ("/v1/embeddings", "/v1/responses") else "prompt"
-    value = body.get(key)
-    if isinstance(value, str):
-        return value
-    return orjson.dumps(value).decode() if value is not None else ""
-
-
-def max_output_tokens(body: dict[str, Any]) -> int:
-    for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
-        value = body.get(key)
-        if isinstance(value, int) and value > 0:
-            return value
-    return DEFAULT_MAX_OUTPUT_ESTIMATE
+            self.errors.append({"code": code, "message": message[:MESSAGE_CHARS], "param": param, "line": line})
 
 
 def validate_lines(
@@ -95,75 +117,47 @@ def validate_lines(
     served_models: set[str] | None,
     limits: Limits,
 ) -> ValidationResult:
+    """Check every line. Never raises for anything in the file; errors stay within max_errors."""
     result = ValidationResult()
+    index = RequestIndex()
+    result.requests = index
     seen_ids: set[str] = set()
     models: dict[str, int] = {}
+    # Line numbers, lengths and counts go into Integer columns.
+    max_requests = min(limits.max_requests, INT32_MAX)
+    max_line_bytes = min(limits.max_line_bytes, INT32_MAX - 1)
     count = 0
-    for number, offset, raw in iter_lines(chunks):
-        line = raw.rstrip(b"\r")
-        if not line.strip():
-            continue
+    number = 0
+
+    def fail(code: str, message: str, param: str | None) -> None:
+        result.add_error(limits, code=code, message=message, line=number, param=param)
+
+    # One byte of slack for the '\r' of a CRLF line, which is not part of the request.
+    for number, offset, length, raw in iter_lines_bounded(chunks, max_line_bytes=max_line_bytes + 1):
+        if raw is not None and (not raw or raw.isspace()):
+            continue  # blank lines are skipped, as OpenAI does
         count += 1
-        if count > limits.max_requests:
-            result.add_error(
-                limits,
-                code="too_many_requests",
-                message=f"The file has more than {limits.max_requests} requests, the most a batch may hold.",
-                line=number,
+        if count > max_requests or number > INT32_MAX:
+            fail(
+                "too_many_requests", f"The file has more than {max_requests} requests, the most a batch may hold.", None
             )
             break
-        if len(line) > limits.max_line_bytes:
-            result.add_error(
-                limits,
-                code="line_too_large",
-                line=number,
-                message=f"Line is {len(line)} bytes; the limit is {limits.max_line_bytes}.",
-            )
+        line = raw[:-1] if raw is not None and raw.endswith(b"\r") else raw
+        if line is None or len(line) > max_line_bytes:
+            fail("line_too_large", f"Line is {length} bytes; the limit is {max_line_bytes}.", None)
             continue
-        request = _check_line(result, limits, line, number, endpoint, seen_ids)
+        request = check_line(line, endpoint=endpoint, seen_ids=seen_ids, fail=fail)
         if request is None:
             continue
-        model = request["body"].get("model")
-        models.setdefault(model, number)
-        text = prompt_text(endpoint, request["body"])
-        estimate = (
-            len(text.encode()) // 4 + 1 + (0 if endpoint == "/v1/embeddings" else max_output_tokens(request["body"]))
-        )
-        result.token_estimate += estimate
-        result.requests.append(
-            {
-                "line": number,
-                "custom_id": request["custom_id"],
-                "offset": offset,
-                "length": len(raw),
-                "prefix_hash": hashlib.blake2b(text[:PREFIX_CHARS].encode(), digest_size=8).hexdigest(),
-                "token_estimate": estimate,
-            }
-        )
+        models.setdefault(request.model, number)
+        result.token_estimate += request.token_estimate
+        prefix = blake2b(request.prompt[:PREFIX_CHARS].encode(), digest_size=8).digest()
+        index.add(number, offset, length, request.custom_id, prefix, request.token_estimate)
+    # Cannot overflow with the per-request bound, but the column is what must hold it.
+    result.token_estimate = min(result.token_estimate, INT64_MAX)
     if count == 0:
         result.add_error(limits, code="empty_file", message="The input file has no requests.", line=None)
-    if len(models) > 1:
-        (first, _), *others = sorted(models.items(), key=lambda kv: kv[1])
-        for model, number in others:
-            result.add_error(
-                limits,
-                code="mismatched_model",
-                line=number,
-                param="body.model",
-                message=f"Model {model!r} differs from {first!r} on line {models[first]}: a batch uses one model.",
-            )
-    if len(models) == 1:
-        result.model = next(iter(models))
-        if served_models is not None and result.model not in served_models:
-            result.add_error(
-                limits,
-                code="model_not_found",
-                line=models[result.model],
-                param="body.model",
-                message=(
-                    f"The model {result.model!r} is not served here. Available: {', '.join(sorted(served_models))}."
-                ),
-            )
+    _check_models(result, limits, models, served_models)
     if result.error_count > len(result.errors):
         result.errors.append(
             {
@@ -176,51 +170,32 @@ def validate_lines(
     return result
 
 
-def _check_line(
-    result: ValidationResult, limits: Limits, line: bytes, number: int, endpoint: str, seen_ids: set[str]
-) -> dict[str, Any] | None:
-    def fail(code: str, message: str, param: str | None = None) -> None:
-        result.add_error(limits, code=code, message=message, line=number, param=param)
-
-    try:
-        obj = orjson.loads(line)
-    except orjson.JSONDecodeError as exc:
-        fail("invalid_json_line", f"This line is not valid JSON: {exc}.")
-        return None
-    if not isinstance(obj, dict):
-        fail("invalid_request", "Each line must be a JSON object.")
-        return None
-    ok = True
-    custom_id = obj.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id:
-        fail("missing_custom_id", "Each request needs a non-empty string 'custom_id'.", "custom_id")
-        ok = False
-    elif len(custom_id) > 512:
-        fail("invalid_custom_id", "'custom_id' is longer than 512 characters.", "custom_id")
-        ok = False
-    elif custom_id in seen_ids:
-        fail("duplicate_custom_id", f"The custom_id {custom_id!r} is used more than once.", "custom_id")
-        ok = False
-    else:
-        seen_ids.add(custom_id)
-    if obj.get("method") != "POST":
-        fail("invalid_method", f"'method' must be 'POST', not {obj.get('method')!r}.", "method")
-        ok = False
-    if obj.get("url") != endpoint:
-        fail("invalid_url", f"'url' is {obj.get('url')!r}; this batch's endpoint is {endpoint!r}.", "url")
-        ok = False
-    body = obj.get("body")
-    if not isinstance(body, dict):
-        fail("invalid_body", "'body' must be a JSON object.", "body")
-        return None
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        fail("missing_model", "'body.model' must name a model.", "body.model")
-        ok = False
-    if body.get("stream") is True:
-        fail("streaming_not_supported", "Batch requests cannot stream: remove 'stream: true'.", "body.stream")
-        ok = False
-    return obj if ok else None
+def _check_models(
+    result: ValidationResult, limits: Limits, models: dict[str, int], served_models: set[str] | None
+) -> None:
+    if len(models) > 1:
+        (first, first_line), *others = sorted(models.items(), key=lambda kv: kv[1])
+        for model, number in others:
+            result.add_error(
+                limits,
+                code="mismatched_model",
+                line=number,
+                param="body.model",
+                message=f"Model {quote(model)} differs from {quote(first)} on line {first_line}: a batch uses one model.",
+            )
+    if len(models) == 1:
+        result.model = next(iter(models))
+        if served_models is not None and result.model not in served_models:
+            available = ", ".join(sorted(served_models))
+            if len(available) > 150:  # the fleet's own names, but a long list is no help either
+                available = available[:150] + "…"
+            result.add_error(
+                limits,
+                code="model_not_found",
+                line=models[result.model],
+                param="body.model",
+                message=f"The model {quote(result.model)} is not served here. Available: {available}.",
+            )
 
 
 def apply_validation(session: Session, *, batch_id: str, result: ValidationResult) -> str:
@@ -229,6 +204,7 @@ def apply_validation(session: Session, *, batch_id: str, result: ValidationResul
     if batch is None or batch.status not in (BatchStatus.validating, BatchStatus.cancelling):
         return batch.status if batch else "missing"
     now = utcnow()
+    token_estimate = min(result.token_estimate, INT64_MAX)
     if not result.errors and result.model is not None and batch.status == BatchStatus.validating:
         # Over quota fails like any validation error: no request index, so nothing is dispatched.
         result.errors.extend(
@@ -237,7 +213,7 @@ def apply_validation(session: Session, *, batch_id: str, result: ValidationResul
                 team_id=batch.team_id,
                 model=result.model,
                 batch_id=batch_id,
-                token_estimate=result.token_estimate,
+                token_estimate=token_estimate,
             )
         )
     if result.errors:
@@ -248,15 +224,64 @@ def apply_validation(session: Session, *, batch_id: str, result: ValidationResul
         )
         return BatchStatus.failed
     session.execute(delete(BatchRequest).where(BatchRequest.batch_id == batch_id))
-    rows = [dict(r, batch_id=batch_id, state=RequestState.pending) for r in result.requests]
-    for start in range(0, len(rows), 5000):
-        session.execute(insert(BatchRequest), rows[start : start + 5000])
+    # Rows are built a slice at a time: the whole index as dicts would be most of a GB.
+    rows = (dict(r, batch_id=batch_id, state=RequestState.pending) for r in result.requests)
+    while part := list(islice(rows, INSERT_ROWS)):
+        session.execute(insert(BatchRequest), part)
     values: dict[str, Any] = {
         "model": result.model,
-        "total": len(rows),
-        "token_estimate": result.token_estimate,
+        "total": len(result.requests),
+        "token_estimate": token_estimate,
     }
     if batch.status == BatchStatus.validating:
         values.update(status=BatchStatus.in_progress, in_progress_at=now)
     session.execute(update(Batch).where(Batch.id == batch_id).values(**values))
     return str(values.get("status", batch.status))
+
+
+def fail_batch_validation(session: Session, *, batch_id: str, message: str) -> str:
+    """Move a batch still validating to `failed` with one batch-level error; returns its status.
+
+    Compare-and-set on the status, so it is idempotent and never touches a batch that has
+    moved on (validated, cancelled, expired); a cancelling batch is ended by finalization.
+    """
+    error = {"code": VALIDATION_FAILED_CODE, "message": message[:MESSAGE_CHARS], "param": None, "line": None}
+    moved = session.execute(
+        update(Batch)
+        .where(Batch.id == batch_id, Batch.status == BatchStatus.validating)
+        .values(status=BatchStatus.failed, failed_at=utcnow(), errors=[error])
+        .execution_options(synchronize_session=False)
+    )
+    if moved.rowcount:  # type: ignore[attr-defined]
+        return BatchStatus.failed
+    status = session.execute(select(Batch.status).where(Batch.id == batch_id)).scalar_one_or_none()
+    return status if status is not None else "missing"
+
+
+def is_transient_validation_error(exc: BaseException) -> bool:
+    """Whether retrying validation later may succeed: the fleet's model list, the database or
+    the object store being unreachable for a while. Anything else fails the batch."""
+    if isinstance(exc, FleetUnavailable | OperationalError | PoolTimeout | ConnectionError | TimeoutError):
+        return True
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    try:
+        from botocore import exceptions as s3
+    except ImportError:  # the embedded mode's local object store needs no botocore
+        return False
+    if isinstance(exc, s3.ClientError):
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        return status >= 500 or exc.response.get("Error", {}).get("Code") in ("SlowDown", "Throttling")
+    # Connecting, reading and streaming; not configuration, credentials or parameters.
+    return isinstance(exc, s3.ConnectionError | s3.HTTPClientError | s3.IncompleteReadError)
+
+
+def validation_failure_message(exc: BaseException) -> str:
+    """What the user reads when validation ended in a permanent failure (no internals leaked)."""
+    if isinstance(exc, FileNotFoundError):
+        return "The input file could not be read: it no longer exists."
+    if is_transient_validation_error(exc):
+        return "The input file could not be validated: a service it needs stayed unavailable. Please try again."
+    return (
+        f"The input file could not be validated because of an internal error ({type(exc).__name__}). Please try again."
+    )

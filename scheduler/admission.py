@@ -140,9 +140,6 @@ class Admission:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
 
-    async def renew(self, lease_ids: list[str]) -> None:
-        await asyncio.to_thread(self.leases.renew, POOL, lease_ids, ttl_s=self.ttl_s)
-
     async def release(self, lease_ids: list[str]) -> None:
         await asyncio.to_thread(self.leases.release, POOL, lease_ids)
 

@@ -20,9 +20,10 @@ from typing import Any
 import orjson
 from sqlalchemy.exc import OperationalError
 
-from jobs import execution
-from jobs.execution import ClaimedRequest, Outcome
+from jobs.claims import ClaimedRequest, claim_requests, release_for_retry, requeue_unstarted
 from jobs.models import utcnow
+from jobs.replies import Outcome, normalise_body, usage_from_body
+from jobs.results import record_outcomes
 from scheduler.admission import POOL, Admission, Observation
 from scheduler.capacity import shed_count
 from scheduler.fleet import FleetClient, FleetReply
@@ -166,7 +167,7 @@ class Dispatcher:
             if want <= 0:
                 break
             with unit_of_work() as session:
-                out += execution.claim_requests(session, batch_id=batch_id, limit=want, claim_token=self.holder)
+                out += claim_requests(session, batch_id=batch_id, limit=want, claim_token=self.holder)
         return out
 
     def _load_bodies(self, claimed: list[ClaimedRequest]) -> dict[int, bytes]:
@@ -199,7 +200,7 @@ class Dispatcher:
             reply = await call
             self.sent += 1
             usage = (
-                execution.usage_from_body(execution.normalise_body(reply.body)[1]) if reply.status_code == 200 else None
+                usage_from_body(normalise_body(reply.body)[1]) if reply.status_code == 200 else None
             )
             self.admission.observe(
                 Observation(
@@ -264,11 +265,11 @@ class Dispatcher:
             for done in group:
                 r, reply = done.request, done.reply
                 if reply is None:
-                    execution.requeue_unstarted(session, batch_id=r.batch_id, lines=[r.line], claim_token=self.holder)
+                    requeue_unstarted(session, batch_id=r.batch_id, lines=[r.line], claim_token=self.holder)
                     continue
                 if reply.transient and r.attempts + 1 < self.max_attempts:
                     delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**r.attempts) * random.uniform(0.5, 1.0)
-                    execution.release_for_retry(
+                    release_for_retry(
                         session,
                         batch_id=r.batch_id,
                         line=r.line,
@@ -276,15 +277,15 @@ class Dispatcher:
                         not_before=utcnow() + timedelta(seconds=delay),
                     )
                     continue
-                body, parsed = execution.normalise_body(reply.body)
+                body, parsed = normalise_body(reply.body)
                 outcome = Outcome(
                     status_code=reply.status_code,
                     body=body,
                     request_id=reply.request_id or (parsed.get("id") if isinstance(parsed, dict) else None),
-                    usage=execution.usage_from_body(parsed),
+                    usage=usage_from_body(parsed),
                 )
                 finished.append((r.batch_id, r.line, outcome))
-            execution.record_outcomes(session, claim_token=self.holder, results=finished)
+            record_outcomes(session, claim_token=self.holder, results=finished)
 
     async def _keepalive(self) -> None:
         period = self.admission.ttl_s / 3

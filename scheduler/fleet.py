@@ -1,16 +1,33 @@
-"""The fleet client: one pooled HTTP client over the fleet's OpenAI-compatible base URLs."""
+"""The fleet client: one pooled HTTP client over the fleet's deployments (its OpenAI-compatible
+base URLs, `BACKFILL_FLEET_URLS`), with a circuit breaker per deployment (`scheduler.breaker`).
+
+Each request goes to the next deployment in turn whose breaker lets it through. A request that
+could not even connect is tried on the next deployment at once: it never reached the fleet, so
+nothing runs twice. While every breaker is open a call waits (at most `open_wait_s`) for one to
+let it through: the drain backs off instead of spending attempts on a fleet known to be down.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import logging
+import math
+import random
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import orjson
+import redis.asyncio
+
+from scheduler.breaker import Breaker, BreakerPolicy, BreakerState, Permit, SharedBreaker, local_breaker
+
+log = logging.getLogger("backfill.fleet")
 
 RETRYABLE_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
+MAX_REPLY_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -20,46 +37,182 @@ class FleetReply:
     request_id: str | None
     latency_s: float
     transient: bool  # worth retrying: overload, server error, timeout, connection failure
+    deployment: str | None = None  # the base URL it was sent to
+    # False when no deployment received the request (every circuit open, or no connection):
+    # the line may go back to pending without spending an attempt.
+    sent: bool = True
+
+
+class _BodyStalled(Exception):
+    pass
+
+
+class _ReplyTooLarge(Exception):
+    pass
 
 
 class FleetClient:
-    def __init__(self, urls: list[str], *, timeout_s: float, api_key: str = "", max_connections: int = 1024) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        timeout_s: float,
+        api_key: str = "",
+        max_connections: int = 1024,
+        redis_url: str = "",
+        breaker_policy: BreakerPolicy | None = None,
+        body_idle_timeout_s: float = 30.0,
+        open_wait_s: float = 15.0,
+    ) -> None:
+        """`timeout_s` bounds a whole exchange (a long generation may take minutes before its
+        first byte); once the headers are in, the body must keep flowing: a read that brings
+        nothing for `body_idle_timeout_s` ends the exchange as a stalled reply.
+        With `redis_url` the breakers are shared by every worker; without, they live in this process."""
         if not urls:
             raise ValueError("no fleet URL configured (BACKFILL_FLEET_URLS)")
         self._urls = urls
-        self._next = itertools.cycle(range(len(urls)))
+        self._turn = itertools.count()
+        self._timeout_s = timeout_s
+        self._body_idle_s = min(body_idle_timeout_s, timeout_s)
+        self._open_wait_s = open_wait_s
+        policy = breaker_policy or BreakerPolicy()
+        self._redis = (
+            redis.asyncio.Redis.from_url(
+                redis_url, decode_responses=True, socket_timeout=2.0, socket_connect_timeout=2.0
+            )
+            if redis_url
+            else None
+        )
+        self.breakers: list[Breaker] = [
+            SharedBreaker(self._redis, url, policy) if self._redis is not None else local_breaker(url, policy)
+            for url in urls
+        ]
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(
             headers=headers,
-            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
 
     async def post(self, endpoint: str, body: dict[str, Any]) -> FleetReply:
-        """POST a batch line's body to the same path on the fleet (`/v1/...` under a base URL)."""
-        base = self._urls[next(self._next)]
+        """POST a batch line's body to the same path on a deployment (`/v1/...` under its base URL)."""
         path = endpoint[len("/v1") :] if endpoint.startswith("/v1/") else endpoint
+        payload = orjson.dumps(body)
         started = time.monotonic()
+        give_up_at = started + self._open_wait_s
+        refused: set[int] = set()  # deployments that refused this request's connection
+        last: FleetReply | None = None
+        while True:
+            picked, wait_s = await self._pick(skip=refused)
+            if picked is None:
+                if last is not None:
+                    return last  # every deployment that would take it refused the connection
+                left = give_up_at - time.monotonic()
+                if left <= 0:
+                    return self._synthetic(
+                        503, "every fleet deployment's circuit is open", started, deployment=None, sent=False
+                    )
+                # Jittered, so the waiting calls do not all ask again at the same instant.
+                await asyncio.sleep(max(0.05, min(wait_s, left, 1.0)) * random.uniform(1.0, 1.3))
+                continue
+            i, permit = picked
+            reply, connected = await self._exchange(self._urls[i], path, payload)
+            await self._report(i, permit, reply)
+            if connected:
+                return reply
+            refused.add(i)
+            last = reply
+
+    async def _pick(self, *, skip: set[int]) -> tuple[tuple[int, Permit] | None, float]:
+        """The next deployment in turn whose breaker lets a call through, else how long until one might."""
+        n = len(self._urls)
+        start = next(self._turn) % n
+        soonest = math.inf
+        for k in range(n):
+            i = (start + k) % n
+            if i in skip:
+                continue
+            permit = await self.breakers[i].allow()
+            if permit.allowed:
+                return (i, permit), 0.0
+            soonest = min(soonest, permit.retry_after_s)
+        return None, soonest
+
+    async def _report(self, i: int, permit: Permit, reply: FleetReply) -> None:
+        failed = reply.transient and reply.status_code >= 500
+        changed = await self.breakers[i].record(ok=not failed, probe=permit.probe)
+        if changed is BreakerState.open:
+            log.warning("fleet deployment %s: circuit opened (last reply %d)", self._urls[i], reply.status_code)
+        elif changed is BreakerState.closed:
+            log.info("fleet deployment %s: circuit closed, the probe succeeded", self._urls[i])
+
+    async def _exchange(self, base: str, path: str, payload: bytes) -> tuple[FleetReply, bool]:
+        """One POST to one deployment; the flag says whether a connection was made at all."""
+        started = time.monotonic()
+        request = self._client.build_request(
+            "POST", base + path, content=payload, headers={"Content-Type": "application/json"}
+        )
         try:
-            resp = await self._client.post(
-                base + path, content=orjson.dumps(body), headers={"Content-Type": "application/json"}
-            )
-        except httpx.TimeoutException as exc:
-            return self._synthetic(504, f"fleet timeout: {exc!r}", started)
+            async with asyncio.timeout(self._timeout_s):
+                resp = await self._client.send(request, stream=True)
+                try:
+                    body = await self._read_body(resp)
+                finally:
+                    await resp.aclose()
+        except _BodyStalled:
+            msg = f"fleet reply body stalled for {self._body_idle_s:g} s"
+            return self._synthetic(504, msg, started, deployment=base), True
+        except _ReplyTooLarge:
+            msg = f"fleet reply larger than {MAX_REPLY_BYTES} bytes"
+            return self._synthetic(502, msg, started, deployment=base, transient=False), True
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            msg = f"fleet connection error: {exc!r}"
+            return self._synthetic(503, msg, started, deployment=base, sent=False), False
+        except (TimeoutError, httpx.TimeoutException) as exc:
+            return self._synthetic(504, f"fleet timeout: {exc!r}", started, deployment=base), True
         except httpx.TransportError as exc:
-            return self._synthetic(503, f"fleet connection error: {exc!r}", started)
-        return FleetReply(
+            return self._synthetic(503, f"fleet connection error: {exc!r}", started, deployment=base), True
+        reply = FleetReply(
             status_code=resp.status_code,
-            body=resp.content,
+            body=body,
             request_id=resp.headers.get("x-request-id"),
             latency_s=time.monotonic() - started,
             transient=resp.status_code in RETRYABLE_STATUS,
+            deployment=base,
         )
+        return reply, True
+
+    async def _read_body(self, resp: httpx.Response) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        stream = resp.aiter_bytes()
+        while True:
+            try:
+                async with asyncio.timeout(self._body_idle_s):
+                    chunk = await anext(stream)
+            except StopAsyncIteration:
+                return b"".join(chunks)
+            except TimeoutError as exc:
+                raise _BodyStalled from exc
+            size += len(chunk)
+            if size > MAX_REPLY_BYTES:
+                raise _ReplyTooLarge
+            chunks.append(chunk)
 
     @staticmethod
-    def _synthetic(status: int, message: str, started: float) -> FleetReply:
+    def _synthetic(
+        status: int,
+        message: str,
+        started: float,
+        *,
+        deployment: str | None,
+        transient: bool = True,
+        sent: bool = True,
+    ) -> FleetReply:
         body = orjson.dumps({"error": {"message": message, "type": "fleet_unreachable", "param": None, "code": None}})
-        return FleetReply(status, body, None, time.monotonic() - started, transient=True)
+        return FleetReply(status, body, None, time.monotonic() - started, transient, deployment, sent)
 
     async def aclose(self) -> None:
         await self._client.aclose()
+        if self._redis is not None:
+            await self._redis.aclose()

@@ -6,9 +6,8 @@ import time
 from collections.abc import Callable
 from functools import lru_cache
 
-from jobs import execution
-from jobs.execution import PendingBatch
 from jobs.models import utcnow
+from jobs.sweeps import PendingBatch, pending_batches
 from jobs.teams import team_weights
 from scheduler.admission import Admission, ObservationLog
 from scheduler.capacity import CapacityLoop, ControlConfig, Controller, Slo
@@ -42,7 +41,7 @@ def make_planner(refresh_s: float = 0.5, admission: Admission | None = None) -> 
 
     def refresh() -> tuple[list[PendingBatch], dict[str, float], float | None]:
         with unit_of_work() as session:
-            pending = execution.pending_batches(session)
+            pending = pending_batches(session)
             weights = team_weights(session, team_ids={b.team_id for b in pending})
         return pending, weights, admission.batch_rate() or local_rate()
 

@@ -2,7 +2,8 @@
 
 Each tick: expire overdue batches, finish cancellations, reclaim lines whose worker died,
 re-nudge validations the broker lost, start finalization, and keep drains running while
-there is pending work. Every step is idempotent, so two schedulers are merely wasteful.
+there is pending work; every `retention_interval_s`, apply retention. Every step is
+idempotent, so two schedulers are merely wasteful.
 """
 
 from __future__ import annotations
@@ -11,18 +12,27 @@ import logging
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Protocol
 
 from sqlalchemy import select
 
-from jobs import execution
+from jobs import retention, sweeps
 from jobs.models import Batch, BatchStatus, utcnow
 from scheduler.dispatcher import DRAIN_POOL
 from scheduler.leases import LeaseStore
+from storage.broker import TaskName
 from storage.db import unit_of_work
+from storage.objects import get_object_store
 
 log = logging.getLogger("backfill.scheduler")
 
 RENUDGE_S = 30.0
+
+
+class Enqueue(Protocol):
+    """Sends a task by name with id arguments: `storage.broker.send_task` in a process."""
+
+    def __call__(self, name: TaskName, /, *args: str) -> None: ...
 
 
 class Ticker:
@@ -30,36 +40,41 @@ class Ticker:
         self,
         *,
         leases: LeaseStore,
-        enqueue: Callable[[str, tuple[str, ...]], None],
+        enqueue: Enqueue,
         drains: int,
+        retention_policy: retention.RetentionPolicy | None = None,
+        retention_interval_s: float = 60.0,
     ) -> None:
         self.leases = leases
-        self.enqueue = enqueue  # (task name, args)
+        self.enqueue = enqueue
         self.drains = drains
-        self._nudged: dict[tuple[str, str], float] = {}
+        self.retention_policy = retention_policy
+        self.retention_interval_s = retention_interval_s
+        self._last_retention = -1e9
+        self._nudged: dict[tuple[TaskName, str], float] = {}
         self._last_drain_kick = 0.0
 
-    def _nudge(self, task: str, batch_id: str) -> None:
+    def _nudge(self, task: TaskName, batch_id: str) -> None:
         now = time.monotonic()
         if now - self._nudged.get((task, batch_id), -1e9) >= RENUDGE_S:
             self._nudged[(task, batch_id)] = now
-            self.enqueue(task, (batch_id,))
+            self.enqueue(task, batch_id)
 
     def tick(self) -> None:
         with unit_of_work() as session:
-            execution.expire_overdue(session)
+            sweeps.expire_overdue(session)
         with unit_of_work() as session:
-            to_finalize = execution.batches_to_finalize(session)
+            to_finalize = sweeps.batches_to_finalize(session)
         for batch_id in to_finalize:
-            self._nudge("backfill.finalize_batch", batch_id)
+            self._nudge(TaskName.finalize_batch, batch_id)
 
         with unit_of_work() as session:
-            tokens = execution.running_claim_tokens(session)
+            tokens = sweeps.running_claim_tokens(session)
         alive = self.leases.alive(tokens)
         dead = [t for t in tokens if t not in alive]
         if dead:
             with unit_of_work() as session:
-                n = execution.reclaim_orphans(session, dead_tokens=dead)
+                n = sweeps.reclaim_orphans(session, dead_tokens=dead)
             log.warning("reclaimed %d lines from %d lapsed workers", n, len(dead))
 
         stale = utcnow() - timedelta(seconds=10)
@@ -69,9 +84,9 @@ class Ticker:
                     select(Batch.id).where(Batch.status == BatchStatus.validating, Batch.created_at < stale)
                 ).scalars()
             )
-            has_work = bool(execution.pending_batches(session))
+            has_work = bool(sweeps.pending_batches(session))
         for batch_id in waiting:
-            self._nudge("backfill.validate_batch", batch_id)
+            self._nudge(TaskName.validate_batch, batch_id)
 
         if has_work:
             running = self.leases.count(DRAIN_POOL)
@@ -79,7 +94,26 @@ class Ticker:
             if running < self.drains and now - self._last_drain_kick > 2.0:
                 self._last_drain_kick = now
                 for _ in range(self.drains - running):
-                    self.enqueue("backfill.drain", ())
+                    self.enqueue(TaskName.drain)
+
+        self.retain()
+
+    def retain(self, *, force: bool = False) -> retention.RetentionReport | None:
+        """Apply retention when it is due (or now, with force)."""
+        now = time.monotonic()
+        if self.retention_policy is None or (not force and now - self._last_retention < self.retention_interval_s):
+            return None
+        self._last_retention = now
+        with unit_of_work() as session:
+            report = retention.run_retention(session, get_object_store(), policy=self.retention_policy)
+        if report:
+            log.info(
+                "retention: removed %d file objects and %d orphaned objects, purged the bodies of %d batches",
+                report.file_objects,
+                report.orphans,
+                report.body_batches,
+            )
+        return report
 
     def run_forever(self, interval_s: float, stop: Callable[[], bool] = lambda: False) -> None:
         while not stop():

@@ -58,7 +58,3 @@ def unit_of_work() -> Iterator[Session]:
         raise
     finally:
         session.close()
-
-
-def is_sqlite() -> bool:
-    return get_engine().dialect.name == "sqlite"

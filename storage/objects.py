@@ -1,7 +1,10 @@
 """Object store: S3 through boto3 in production, a local directory when embedded.
 
 Writes take an iterator of byte chunks and a size cap, so uploads are streamed and the cap
-is enforced while streaming (never after buffering the whole body).
+is enforced while streaming (never after buffering the whole body). Chunks may be of any
+size (a finalization feeds one per output line): they are regrouped in linear time into
+bounded blocks, and an object appears at its key only once it is complete, so a failed or
+interrupted write leaves nothing (or the previous version) there.
 """
 
 from __future__ import annotations
@@ -9,13 +12,18 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, Any, NamedTuple, Protocol
 
 from storage.settings import get_settings
 
 CHUNK = 1024 * 1024
+# S3 parts are at least 5 MiB (all but the last); 8 MiB parts cap an object at 80 GB
+# (10,000 parts), far above any file limit, while one upload holds only two parts in memory.
+PART_BYTES = 8 * CHUNK
 
 
 class ObjectTooLarge(Exception):
@@ -24,38 +32,57 @@ class ObjectTooLarge(Exception):
         self.limit = limit
 
 
+class StoredObject(NamedTuple):
+    key: str
+    size: int
+    last_modified: datetime  # timezone-aware, UTC
+
+
 class ObjectStore(Protocol):
     def put(self, key: str, chunks: Iterable[bytes], *, max_bytes: int | None = None) -> int: ...
     def open(self, key: str) -> Iterator[bytes]: ...
     def read_range(self, key: str, offset: int, length: int) -> bytes: ...
     def delete(self, key: str) -> None: ...
-    def exists(self, key: str) -> bool: ...
+    def list(self, prefix: str) -> Iterator[StoredObject]: ...
 
 
-class _CountingReader:
-    """File-like view of a chunk iterator that counts bytes and stops at the cap."""
+class _Counted:
+    """Passes chunks through, counting bytes and stopping as soon as the total passes the cap."""
 
     def __init__(self, chunks: Iterable[bytes], max_bytes: int | None) -> None:
-        self._it = iter(chunks)
-        self._buf = b""
-        self.count = 0
+        self._chunks = chunks
         self._max = max_bytes
+        self.count = 0
 
-    def read(self, size: int = -1) -> bytes:
-        while size < 0 or len(self._buf) < size:
-            try:
-                chunk = next(self._it)
-            except StopIteration:
-                break
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self._chunks:
             self.count += len(chunk)
             if self._max is not None and self.count > self._max:
                 raise ObjectTooLarge(self._max)
-            self._buf += chunk
-        if size < 0:
-            out, self._buf = self._buf, b""
-        else:
-            out, self._buf = self._buf[:size], self._buf[size:]
-        return out
+            yield chunk
+
+
+def blocks(chunks: Iterable[bytes], size: int) -> Iterator[bytes]:
+    """Regroup chunks of any size into blocks of exactly `size` bytes; the last may be shorter.
+
+    Appending to a bytearray is amortised linear and each block is cut once, so the cost is
+    linear in the bytes whatever the chunk sizes (a `bytes +=` buffer re-copies itself per
+    chunk: quadratic). Yields one empty block for an empty stream, none otherwise.
+    """
+    buf = bytearray()
+    yielded = False
+    for chunk in chunks:
+        buf += chunk
+        if len(buf) < size:
+            continue
+        whole = len(buf) - len(buf) % size
+        with memoryview(buf) as view:
+            ready = [view[i : i + size].tobytes() for i in range(0, whole, size)]
+        del buf[:whole]  # moves the remainder only: less than one block
+        yielded = True
+        yield from ready
+    if buf or not yielded:
+        yield bytes(buf)
 
 
 class LocalObjectStore:
@@ -72,18 +99,21 @@ class LocalObjectStore:
     def put(self, key: str, chunks: Iterable[bytes], *, max_bytes: int | None = None) -> int:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        reader = _CountingReader(chunks, max_bytes)
-        # Write beside, then rename: a reader never sees half an object, a crash leaves none.
+        counted = _Counted(chunks, max_bytes)
+        # Write beside, then rename: a reader never sees half an object, a crash leaves none at
+        # the key (a killed process leaves a `.tmp-` file, which orphan collection removes).
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
         try:
-            with os.fdopen(fd, "wb") as out:
-                while block := reader.read(CHUNK):
-                    out.write(block)
+            with os.fdopen(fd, "wb", buffering=CHUNK) as out:
+                for chunk in counted:
+                    out.write(chunk)
+                out.flush()
+                os.fsync(out.fileno())  # the rename must not outlive the bytes after a power cut
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        return reader.count
+        return counted.count
 
     def open(self, key: str) -> Iterator[bytes]:
         path = self._path(key)
@@ -106,14 +136,39 @@ class LocalObjectStore:
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
 
-    def exists(self, key: str) -> bool:
-        return self._path(key).exists()
+    def list(self, prefix: str) -> Iterator[StoredObject]:
+        """Objects whose key starts with `prefix` (a string prefix, as in S3), in no set order.
+
+        The `.tmp-` files of writes in progress or killed are listed too: they hold space, and
+        orphan collection (past its grace period) is what removes a killed one.
+        """
+        root = self.root.resolve()
+        base = (root / prefix.rpartition("/")[0]).resolve()
+        if base != root and root not in base.parents:
+            raise ValueError(f"bad prefix {prefix!r}")
+        for dirpath, dirnames, filenames in os.walk(base):
+            here = Path(dirpath).relative_to(root).as_posix()
+            here = "" if here == "." else here + "/"
+            # Only descend where a key under the folder could still start with the prefix.
+            dirnames[:] = [d for d in dirnames if _may_hold(here + d + "/", prefix)]
+            for name in filenames:
+                key = here + name
+                if not key.startswith(prefix):
+                    continue
+                try:
+                    stat = os.stat(os.path.join(dirpath, name))
+                except FileNotFoundError:  # deleted or renamed since the walk saw it
+                    continue
+                yield StoredObject(key, stat.st_size, datetime.fromtimestamp(stat.st_mtime, UTC))
+
+
+def _may_hold(folder: str, prefix: str) -> bool:
+    return folder.startswith(prefix) or prefix.startswith(folder)
 
 
 class S3ObjectStore:
     def __init__(self, *, endpoint_url: str, bucket: str, access_key: str, secret_key: str, region: str) -> None:
         import boto3
-        from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
 
         self.bucket = bucket
@@ -125,8 +180,6 @@ class S3ObjectStore:
             region_name=region,
             config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 5, "mode": "standard"}),
         )
-        # boto3's managed transfer does the multipart upload from a stream for us.
-        self._transfer = TransferConfig(multipart_threshold=8 * CHUNK, multipart_chunksize=8 * CHUNK)
 
     def ensure_bucket(self) -> None:
         from botocore.exceptions import ClientError
@@ -141,9 +194,46 @@ class S3ObjectStore:
                     raise
 
     def put(self, key: str, chunks: Iterable[bytes], *, max_bytes: int | None = None) -> int:
-        reader = _CountingReader(chunks, max_bytes)
-        self.client.upload_fileobj(reader, self.bucket, key, Config=self._transfer)
-        return reader.count
+        """One PUT for an object smaller than a part, else a multipart upload aborted on any failure.
+
+        Each part uploads on a helper thread while the caller produces the next one (a finalization
+        reads the database meanwhile): one part in flight and one filling, about 2 x PART_BYTES.
+        """
+        counted = _Counted(chunks, max_bytes)
+        parts = blocks(counted, PART_BYTES)
+        first = next(parts)
+        if len(first) < PART_BYTES:  # the whole object
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=first)
+            return counted.count
+        upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
+        try:
+            with ThreadPoolExecutor(1, thread_name_prefix="s3-part") as uploader:
+                in_flight = uploader.submit(self._upload_part, key, upload_id, 1, first)
+                del first
+                done = []
+                for number, body in enumerate(parts, start=2):
+                    done.append(in_flight.result())
+                    in_flight = uploader.submit(self._upload_part, key, upload_id, number, body)
+                done.append(in_flight.result())
+            self.client.complete_multipart_upload(
+                Bucket=self.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": done}
+            )
+        except BaseException:
+            self._abort(key, upload_id)  # after the helper thread has stopped: no part lands later
+            raise
+        return counted.count
+
+    def _upload_part(self, key: str, upload_id: str, number: int, body: bytes) -> dict[str, Any]:
+        answer = self.client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body)
+        return {"PartNumber": number, "ETag": answer["ETag"]}
+
+    def _abort(self, key: str, upload_id: str) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+        except (BotoCoreError, ClientError):
+            pass  # the original failure matters more; a bucket lifecycle rule reaps what is left
 
     def open(self, key: str) -> Iterator[bytes]:
         from botocore.exceptions import ClientError
@@ -166,14 +256,11 @@ class S3ObjectStore:
     def delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=key)
 
-    def exists(self, key: str) -> bool:
-        from botocore.exceptions import ClientError
-
-        try:
-            self.client.head_object(Bucket=self.bucket, Key=key)
-            return True
-        except ClientError:
-            return False
+    def list(self, prefix: str) -> Iterator[StoredObject]:
+        """Objects whose key starts with `prefix`, in key order, a page of up to 1,000 at a time."""
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+            for item in page.get("Contents", ()):
+                yield StoredObject(item["Key"], int(item["Size"]), item["LastModified"])
 
 
 @lru_cache

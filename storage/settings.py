@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import field_validator
+from pydantic import field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_HOME = Path(".backfill")
@@ -18,7 +18,9 @@ DEFAULT_HOME = Path(".backfill")
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="BACKFILL_", env_file=".env", extra="ignore")
 
-    environment: str = "development"
+    # "production" unless said otherwise: a deployment that forgets to set it must not accept
+    # the well-known development keys. `backfill up` (the embedded mode) sets "development".
+    environment: str = "production"
     home: Path = DEFAULT_HOME
 
     database_url: str = ""
@@ -36,11 +38,22 @@ class Settings(BaseSettings):
     fleet_urls: str = ""
     fleet_api_key: str = ""
     fleet_timeout_s: float = 600.0
+    # Deprecated name of max_attempts, honoured when max_attempts is not set.
     fleet_max_retries: int = 6
     models_cache_s: float = 30.0
 
+    # The one configured key of each kind: setting a new value revokes the previous one.
     bootstrap_api_key: str = ""
     admin_api_key: str = ""
+
+    # Per-key request rate on the API ("600/minute", "10/second"; "off" disables), counted in
+    # Redis when redis_url is set (shared by every API process), in memory otherwise.
+    rate_limit: str = "600/minute"
+    # Uploads held open at once (each holds a store writer): beyond these, 429 + Retry-After.
+    max_concurrent_uploads: int = 8
+    max_concurrent_uploads_per_key: int = 4
+    # An upload that sends nothing for this long is dropped (408).
+    upload_idle_timeout_s: float = 60.0
 
     max_file_bytes: int = 200 * 1024 * 1024
     max_requests_per_batch: int = 50_000
@@ -62,6 +75,26 @@ class Settings(BaseSettings):
     lease_ttl_s: float = 15.0
     drain_slice_s: float = 30.0
     tick_interval_s: float = 1.0
+    # Tries of one line, counting every way a try can end unfinished (a 429/5xx/timeout answer,
+    # a worker that died holding it, a result that could not be recorded); past it the line
+    # goes to the error file (max_attempts_exceeded or the fleet's last answer).
+    max_attempts: int = 6
+    # On SIGTERM a drain stops claiming at once and lets its in-flight requests finish for this
+    # long; the rest go back to pending without spending an attempt.
+    drain_grace_s: float = 20.0
+    # How long a drain holds the replies it has while the database is unreachable (sending
+    # nothing new meanwhile) before it gives them up; their lines are then reclaimed.
+    db_outage_patience_s: float = 120.0
+    # A batch with work left that makes no progress for this long, with no live drain on its
+    # lines, is resumed by the scheduler's reconciler (which logs what it did).
+    stall_after_s: float = 30.0
+
+    # Retention (run by the scheduler loop every retention_interval_s): objects without a file
+    # row are removed after orphan_grace_s; response bodies leave the database this long after
+    # their batch's result files were written (< 0 keeps them).
+    retention_interval_s: float = 60.0
+    orphan_grace_s: float = 3600.0
+    result_body_retention_s: float = 3600.0
 
     # Capacity controller (runs in the scheduler process when capacity_control is on).
     # Prometheus endpoints of the fleet: `role=url` items, role frontend|agg|prefill|decode,
@@ -82,6 +115,12 @@ class Settings(BaseSettings):
     # With no interactive request in flight, the latency target may stretch to this multiple
     # of the SLO (the first interactive arrival sheds back); 1.0 keeps the SLO target always.
     capacity_idle_target: float = 1.0
+
+    @model_validator(mode="after")
+    def _attempts_from_deprecated_name(self) -> Settings:
+        if "max_attempts" not in self.model_fields_set and "fleet_max_retries" in self.model_fields_set:
+            self.max_attempts = self.fleet_max_retries
+        return self
 
     @field_validator("home")
     @classmethod

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.stack import Stack, create_database, drop_database, service_env
+from tests.stack import RedisServer, Stack, create_database, drop_database, service_env
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379")
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _free_port() -> int:
-    from devfleet.fleet import free_port
+    from devfleet.processes import free_port
 
     return free_port()
 
@@ -32,9 +32,26 @@ def pg_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def redis_url() -> str:
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer | None]:
+    """A private redis-server for this test session (the machine's own binary): sessions running
+    side by side never take each other's broker messages, and fault tests may restart it."""
+    if os.environ.get("TEST_REDIS_URL") or not RedisServer.available():
+        yield None
+        return
+    server = RedisServer(port=_free_port(), workdir=tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: RedisServer | None) -> str:
     import redis
 
+    if redis_server is not None:
+        return redis_server.url + "/0"
     db = 11 + secrets.randbelow(5)
     url = f"{REDIS_URL}/{db}"
     redis.Redis.from_url(url).flushdb()
@@ -81,6 +98,8 @@ def stack(
         "BACKFILL_DRAIN_SLICE_S": "10",
         "BACKFILL_TICK_INTERVAL_S": "0.5",
         "BACKFILL_FLEET_MAX_RETRIES": "4",
+        # Tests poll fast with one key; the rate limit has tests of its own (tests/api).
+        "BACKFILL_RATE_LIMIT": "off",
     }
     s = Stack(env=env, logdir=logdir, api_port=_free_port())
     for name in ("api", "worker", "scheduler"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,6 +76,59 @@ class Stack:
             except httpx.HTTPError:
                 time.sleep(0.2)
         raise RuntimeError("API did not start:\n" + (self.logdir / "api.log").read_text()[-3000:])
+
+
+@dataclass
+class RedisServer:
+    """A private redis-server process (the machine's binary), nothing kept on disk."""
+
+    port: int
+    workdir: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    @staticmethod
+    def available() -> bool:
+        return shutil.which("redis-server") is not None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+            ],
+            stdout=(self.workdir / "redis.log").open("ab"),
+            stderr=subprocess.STDOUT,
+        )
+        import redis
+
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis.from_url(self.url).ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
 
 
 def create_database(admin_url: str, name: str) -> str:

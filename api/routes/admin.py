@@ -5,28 +5,39 @@ The same services back the `backfill teams|keys|prices|quotas` commands.
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.auth import AdminPrincipal
+from api.deps import AdminPrincipal, DbSession
+from api.errors import COMMON_ERRORS, error_responses
 from api.org_wire import (
+    created_key_out,
     from_unix,
+    key_deleted_out,
     key_id_in,
     key_out,
-    list_out,
     price_out,
+    price_page,
     project_id_in,
     project_out,
     quota_out,
 )
+from api.protocol import (
+    CreatedProjectApiKey,
+    Price,
+    PriceList,
+    Project,
+    ProjectApiKeyDeleted,
+    ProjectApiKeyList,
+    ProjectList,
+    Quota,
+    QuotaList,
+)
 from jobs import billing, quotas, teams
 from jobs.errors import InvalidRequest
-from storage.db import unit_of_work
 from storage.settings import parse_duration
 
-router = APIRouter(prefix="/v1/organization", tags=["admin"])
+router = APIRouter(prefix="/v1/organization", tags=["admin"], responses=error_responses(*COMMON_ERRORS, 403))
 
 
 class CreateProjectBody(BaseModel):
@@ -62,90 +73,79 @@ class SetQuotaBody(BaseModel):
 
 
 @router.post("/projects")
-def create_project(body: CreateProjectBody, _: AdminPrincipal) -> dict[str, Any]:
-    with unit_of_work() as session:
-        return project_out(teams.create_team(session, name=body.name, weight=body.weight))
+def create_project(body: CreateProjectBody, _: AdminPrincipal, session: DbSession) -> Project:
+    return project_out(teams.create_team(session, name=body.name, weight=body.weight))
 
 
 @router.get("/projects")
-def list_projects(_: AdminPrincipal) -> dict[str, Any]:
-    with unit_of_work() as session:
-        return list_out([project_out(t) for t in teams.list_teams(session)])
+def list_projects(_: AdminPrincipal, session: DbSession) -> ProjectList:
+    return ProjectList.of([project_out(t) for t in teams.list_teams(session)])
 
 
 @router.get("/projects/{project_id}")
-def retrieve_project(project_id: str, _: AdminPrincipal) -> dict[str, Any]:
-    with unit_of_work() as session:
-        return project_out(teams.get_team(session, team_id=project_id_in(project_id)))
+def retrieve_project(project_id: str, _: AdminPrincipal, session: DbSession) -> Project:
+    return project_out(teams.get_team(session, team_id=project_id_in(project_id)))
 
 
 @router.post("/projects/{project_id}/api_keys")
-def create_key(project_id: str, body: CreateKeyBody, _: AdminPrincipal) -> dict[str, Any]:
-    with unit_of_work() as session:
-        team = teams.get_team(session, team_id=project_id_in(project_id))
-        key, raw = teams.create_key(session, team_id=team.id, name=body.name, is_admin=body.admin)
-        return key_out(key, raw=raw)
+def create_key(project_id: str, body: CreateKeyBody, _: AdminPrincipal, session: DbSession) -> CreatedProjectApiKey:
+    team = teams.get_team(session, team_id=project_id_in(project_id))
+    key, raw = teams.create_key(session, team_id=team.id, name=body.name, is_admin=body.admin)
+    return created_key_out(key, raw=raw)
 
 
 @router.get("/projects/{project_id}/api_keys")
-def list_keys(project_id: str, _: AdminPrincipal) -> dict[str, Any]:
-    with unit_of_work() as session:
-        team = teams.get_team(session, team_id=project_id_in(project_id))
-        return list_out([key_out(k) for k in teams.list_keys(session, team_id=team.id)])
+def list_keys(project_id: str, _: AdminPrincipal, session: DbSession) -> ProjectApiKeyList:
+    team = teams.get_team(session, team_id=project_id_in(project_id))
+    return ProjectApiKeyList.of([key_out(k) for k in teams.list_keys(session, team_id=team.id)])
 
 
 @router.delete("/projects/{project_id}/api_keys/{key_id}")
-def revoke_key(project_id: str, key_id: str, _: AdminPrincipal) -> dict[str, Any]:
+def revoke_key(project_id: str, key_id: str, _: AdminPrincipal, session: DbSession) -> ProjectApiKeyDeleted:
     """Revokes (the row stays, for the audit trail); the key answers 401 from the next request on."""
-    with unit_of_work() as session:
-        team = teams.get_team(session, team_id=project_id_in(project_id))
-        key = teams.revoke_key(session, key_id_or_prefix=key_id_in(key_id), team_id=team.id)
-        return {"object": "organization.project.api_key.deleted", "id": key_out(key)["id"], "deleted": True}
+    team = teams.get_team(session, team_id=project_id_in(project_id))
+    return key_deleted_out(teams.revoke_key(session, key_id_or_prefix=key_id_in(key_id), team_id=team.id))
 
 
 @router.post("/prices")
-def set_price(body: SetPriceBody, _: AdminPrincipal) -> dict[str, Any]:
+def set_price(body: SetPriceBody, _: AdminPrincipal, session: DbSession) -> Price:
     if body.completion_window is not None:
         try:
             parse_duration(body.completion_window)
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="completion_window") from None
-    with unit_of_work() as session:
-        price = billing.set_price(
-            session,
-            model=body.model,
-            input_micros=billing.parse_money(body.input, param="input"),
-            cached_input_micros=billing.parse_money(body.cached_input, param="cached_input"),
-            output_micros=billing.parse_money(body.output, param="output"),
-            discount_percent=body.batch_discount_percent,
-            completion_window=body.completion_window,
-            effective_from=from_unix(body.effective_from, param="effective_from") if body.effective_from else None,
-        )
-        return price_out(price)
+    price = billing.set_price(
+        session,
+        model=body.model,
+        input_micros=billing.parse_money(body.input, param="input"),
+        cached_input_micros=billing.parse_money(body.cached_input, param="cached_input"),
+        output_micros=billing.parse_money(body.output, param="output"),
+        discount_percent=body.batch_discount_percent,
+        completion_window=body.completion_window,
+        effective_from=from_unix(body.effective_from, param="effective_from") if body.effective_from else None,
+    )
+    return price_out(price)
 
 
 @router.get("/prices")
-def list_prices(_: AdminPrincipal, model: str | None = None) -> dict[str, Any]:
-    with unit_of_work() as session:
-        return list_out([price_out(p) for p in billing.list_prices(session, model=model)])
+def list_prices(_: AdminPrincipal, session: DbSession, model: str | None = None) -> PriceList:
+    return price_page(billing.list_prices(session, model=model))
 
 
 @router.post("/projects/{project_id}/quotas")
-def set_quota(project_id: str, body: SetQuotaBody, _: AdminPrincipal) -> dict[str, Any]:
-    with unit_of_work() as session:
-        team = teams.get_team(session, team_id=project_id_in(project_id))
-        quota = quotas.set_quota(
-            session,
-            team_id=team.id,
-            model=body.model,
-            max_enqueued_tokens=body.max_enqueued_tokens,
-            max_concurrent_batches=body.max_concurrent_batches,
-        )
-        return quota_out(quota)
+def set_quota(project_id: str, body: SetQuotaBody, _: AdminPrincipal, session: DbSession) -> Quota:
+    team = teams.get_team(session, team_id=project_id_in(project_id))
+    quota = quotas.set_quota(
+        session,
+        team_id=team.id,
+        model=body.model,
+        max_enqueued_tokens=body.max_enqueued_tokens,
+        max_concurrent_batches=body.max_concurrent_batches,
+    )
+    return quota_out(quota)
 
 
 @router.get("/projects/{project_id}/quotas")
-def list_quotas(project_id: str, _: AdminPrincipal) -> dict[str, Any]:
-    with unit_of_work() as session:
-        team = teams.get_team(session, team_id=project_id_in(project_id))
-        return list_out([quota_out(q) for q in quotas.list_quotas(session, team_id=team.id)])
+def list_quotas(project_id: str, _: AdminPrincipal, session: DbSession) -> QuotaList:
+    team = teams.get_team(session, team_id=project_id_in(project_id))
+    return QuotaList.of([quota_out(q) for q in quotas.list_quotas(session, team_id=team.id)])

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict
 
-from api.auth import CurrentPrincipal
-from api.wire import batch_id_in, batch_out, file_id_in, page
+from api.deps import CurrentPrincipal, DbSession
+from api.errors import COMMON_ERRORS, error_responses
+from api.protocol import Batch, BatchList
+from api.wire import batch_id_in, batch_out, batch_page, file_id_in
 from jobs import batches as batch_service
-from storage.db import unit_of_work
+from storage.broker import TaskName, send_task
 from storage.settings import get_settings
 
 log = logging.getLogger("backfill.api")
-router = APIRouter(prefix="/v1/batches", tags=["batches"])
+router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=error_responses(*COMMON_ERRORS))
 
 
 class CreateBatchBody(BaseModel):
@@ -24,58 +25,56 @@ class CreateBatchBody(BaseModel):
     input_file_id: str
     endpoint: str
     completion_window: str
-    metadata: dict[str, Any] | None = None
-    output_expires_after: dict[str, Any] | None = None
+    # Checked by the service, so that a bad value gets its OpenAI error (param "metadata.k", ...).
+    metadata: dict[str, object] | None = None
+    output_expires_after: dict[str, object] | None = None
 
 
-def _enqueue(request: Request, batch_id: str) -> None:
-    enqueue: Callable[[str], None] | None = request.app.state.enqueue_validation
-    if enqueue is None:
-        return
+def _enqueue_validation(batch_id: str) -> None:
+    """Only after the commit, so a worker finds the row. The broker only nudges: if it is down,
+    the scheduler loop nudges again for every batch left validating."""
     try:
-        enqueue(batch_id)
+        send_task(TaskName.validate_batch, batch_id)
     except Exception:
-        log.warning("could not enqueue validation of batch %s; the scheduler will pick it up", batch_id, exc_info=True)
+        log.warning("could not enqueue validation of batch %s; the scheduler will nudge it", batch_id, exc_info=True)
 
 
 @router.post("")
-def create_batch(body: CreateBatchBody, request: Request, principal: CurrentPrincipal) -> dict[str, Any]:
-    with unit_of_work() as session:
-        batch = batch_service.create_batch(
-            session,
-            team_id=principal.team_id,
-            input_file_id=file_id_in(body.input_file_id, param="input_file_id"),
-            endpoint=body.endpoint,
-            completion_window=body.completion_window,
-            windows=get_settings().completion_window_seconds,
-            metadata=body.metadata,
-            output_expires_after=body.output_expires_after,
-        )
-        wire = batch_out(batch)
-    _enqueue(request, batch.id)  # only after the commit: a worker must find the row
+def create_batch(body: CreateBatchBody, principal: CurrentPrincipal, session: DbSession) -> Batch:
+    batch = batch_service.create_batch(
+        session,
+        team_id=principal.team_id,
+        input_file_id=file_id_in(body.input_file_id, param="input_file_id"),
+        endpoint=body.endpoint,
+        completion_window=body.completion_window,
+        windows=get_settings().completion_window_seconds,
+        metadata=body.metadata,
+        output_expires_after=body.output_expires_after,
+    )
+    wire = batch_out(batch)
+    session.commit()  # here rather than at the request's end: validation is enqueued after it
+    _enqueue_validation(batch.id)
     return wire
 
 
 @router.get("")
 def list_batches(
     principal: CurrentPrincipal,
+    session: DbSession,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
-) -> dict[str, Any]:
-    with unit_of_work() as session:
-        rows, has_more = batch_service.list_batches(
-            session, team_id=principal.team_id, limit=limit, after=batch_id_in(after) if after else None
-        )
-        return page([batch_out(b) for b in rows], has_more)
+) -> BatchList:
+    rows, has_more = batch_service.list_batches(
+        session, team_id=principal.team_id, limit=limit, after=batch_id_in(after) if after else None
+    )
+    return batch_page(rows, has_more=has_more)
 
 
 @router.get("/{batch_id}")
-def retrieve_batch(batch_id: str, principal: CurrentPrincipal) -> dict[str, Any]:
-    with unit_of_work() as session:
-        return batch_out(batch_service.get_batch(session, team_id=principal.team_id, batch_id=batch_id_in(batch_id)))
+def retrieve_batch(batch_id: str, principal: CurrentPrincipal, session: DbSession) -> Batch:
+    return batch_out(batch_service.get_batch(session, team_id=principal.team_id, batch_id=batch_id_in(batch_id)))
 
 
 @router.post("/{batch_id}/cancel")
-def cancel_batch(batch_id: str, principal: CurrentPrincipal) -> dict[str, Any]:
-    with unit_of_work() as session:
-        return batch_out(batch_service.cancel_batch(session, team_id=principal.team_id, batch_id=batch_id_in(batch_id)))
+def cancel_batch(batch_id: str, principal: CurrentPrincipal, session: DbSession) -> Batch:
+    return batch_out(batch_service.cancel_batch(session, team_id=principal.team_id, batch_id=batch_id_in(batch_id)))

@@ -2,25 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter
 
-from api.auth import CurrentPrincipal
+from api.deps import CurrentPrincipal
+from api.errors import COMMON_ERRORS, error_responses
+from api.protocol import Model, ModelList
 from jobs.catalog import get_catalog
 from jobs.errors import NotFound
 
-router = APIRouter(prefix="/v1/models", tags=["models"])
+router = APIRouter(prefix="/v1/models", tags=["models"], responses=error_responses(*COMMON_ERRORS, 503))
+
+
+def _served() -> list[Model]:
+    return [Model.model_validate(m) for m in get_catalog().models()]
 
 
 @router.get("")
-def list_models(_: CurrentPrincipal) -> dict[str, Any]:
-    return {"object": "list", "data": get_catalog().models()}
+def list_models(_: CurrentPrincipal) -> ModelList:
+    return ModelList(object="list", data=_served())
 
 
 @router.get("/{model_id:path}")
-def retrieve_model(model_id: str, _: CurrentPrincipal) -> dict[str, Any]:
-    for model in get_catalog().models():
-        if model["id"] == model_id:
+def retrieve_model(model_id: str, _: CurrentPrincipal) -> Model:
+    for model in _served():
+        if model.id == model_id:
             return model
     raise NotFound(f"The model '{model_id}' does not exist", param="model", code="model_not_found")

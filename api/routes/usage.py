@@ -6,20 +6,28 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse
 
-from api.auth import CurrentPrincipal
-from api.org_wire import PROJECT_PREFIX, amount_out, bucket_out, from_unix, project_id_out, usage_page
+from api.deps import CurrentPrincipal, DbSession
+from api.errors import COMMON_ERRORS, error_responses
+from api.org_wire import PROJECT_PREFIX, amount_out, from_unix, project_id_out
+from api.protocol import (
+    Bucket,
+    CompletionsUsagePage,
+    CompletionsUsageResult,
+    CostsPage,
+    CostsResult,
+)
 from api.wire import ts
 from jobs.errors import InvalidRequest
 from jobs.models import utcnow
 from jobs.teams import Principal
 from jobs.usage import BUCKET_WIDTHS, UsageTotals, align, usage_totals
-from storage.db import unit_of_work
 
-router = APIRouter(prefix="/v1/organization", tags=["usage"])
+router = APIRouter(prefix="/v1/organization", tags=["usage"], responses=error_responses(*COMMON_ERRORS))
 
 # OpenAI's bucket limits per width: (default, maximum).
 USAGE_LIMITS = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}
@@ -40,6 +48,9 @@ class Window:
     def bucket_starts(self) -> list[datetime]:
         n = -(-int((self.end - self.start).total_seconds()) // self.width_s)
         return [self.start + timedelta(seconds=i * self.width_s) for i in range(n)]
+
+    def bucket_end(self, start: datetime) -> int:
+        return ts(start + timedelta(seconds=self.width_s))
 
 
 def _window(start_time: int, end_time: int | None, width_s: int, limit: int, page: str | None) -> Window:
@@ -103,52 +114,59 @@ def _by_bucket(rows: list[UsageTotals]) -> dict[datetime, list[UsageTotals]]:
 def usage_completions(
     request: Request,
     principal: CurrentPrincipal,
+    session: DbSession,
     start_time: int,
     end_time: int | None = None,
     bucket_width: Annotated[str, Query(pattern="^(1m|1h|1d)$")] = "1d",
     batch: bool | None = None,
     limit: int | None = None,
     page: str | None = None,
-) -> dict[str, Any]:
+) -> CompletionsUsagePage:
     width_s = BUCKET_WIDTHS[bucket_width]
     window = _window(start_time, end_time, width_s, _limit(limit, USAGE_LIMITS[bucket_width]), page)
     groups = _groups(request, USAGE_GROUPS)
     teams = _team_scope(principal, request)
     rows: list[UsageTotals] = []
     if batch is not False:  # every request backfill runs is a batch request
-        with unit_of_work() as session:
-            rows = usage_totals(
-                session,
-                start=window.start,
-                end=window.end,
-                width_s=width_s,
-                team_ids=teams,
-                models=_values(request, "models") or None,
-                by_team="project_id" in groups,
-                by_model="model" in groups,
-            )
+        rows = usage_totals(
+            session,
+            start=window.start,
+            end=window.end,
+            width_s=width_s,
+            team_ids=teams,
+            models=_values(request, "models") or None,
+            by_team="project_id" in groups,
+            by_model="model" in groups,
+        )
     grouped = _by_bucket(rows)
-    buckets = []
-    for start in window.bucket_starts():
-        results = [
-            {
-                "object": "organization.usage.completions.result",
-                "input_tokens": r.prompt_tokens,
-                "output_tokens": r.completion_tokens,
-                "input_cached_tokens": r.cached_tokens,
-                "input_audio_tokens": 0,
-                "output_audio_tokens": 0,
-                "num_model_requests": r.requests,
-                "project_id": project_id_out(r.team_id) if r.team_id is not None else None,
-                "user_id": None,
-                "api_key_id": None,
-                "model": r.model,
-                "batch": True if "batch" in groups else None,
-            }
-            for r in grouped.get(start, [])
-        ]
-        buckets.append(bucket_out(start, start + timedelta(seconds=width_s), results))
-    return usage_page(buckets, window.next_page)
+    buckets = [
+        Bucket[CompletionsUsageResult](
+            object="bucket",
+            start_time=ts(start),
+            end_time=window.bucket_end(start),
+            results=[
+                CompletionsUsageResult(
+                    object="organization.usage.completions.result",
+                    input_tokens=r.prompt_tokens,
+                    output_tokens=r.completion_tokens,
+                    input_cached_tokens=r.cached_tokens,
+                    input_audio_tokens=0,
+                    output_audio_tokens=0,
+                    num_model_requests=r.requests,
+                    project_id=project_id_out(r.team_id) if r.team_id is not None else None,
+                    user_id=None,
+                    api_key_id=None,
+                    model=r.model,
+                    batch=True if "batch" in groups else None,
+                )
+                for r in grouped.get(start, [])
+            ],
+        )
+        for start in window.bucket_starts()
+    ]
+    return CompletionsUsagePage(
+        object="page", data=buckets, has_more=window.next_page is not None, next_page=window.next_page
+    )
 
 
 _LINE_ITEMS = (
@@ -166,34 +184,36 @@ def _line_item_tokens(row: UsageTotals, kind: str) -> int:
     }[kind]
 
 
-@router.get("/costs")
+# Rendered by Starlette's JSONResponse, not Pydantic's JSON writer: the amount is a float, and
+# this keeps its digits as they always were on the wire (Python's repr: 1e-06, not 1e-6).
+@router.get("/costs", response_class=JSONResponse)
 def costs(
     request: Request,
     principal: CurrentPrincipal,
+    session: DbSession,
     start_time: int,
     end_time: int | None = None,
     bucket_width: Annotated[str, Query(pattern="^1d$")] = "1d",
     limit: int | None = None,
     page: str | None = None,
-) -> dict[str, Any]:
+) -> CostsPage:
     width_s = BUCKET_WIDTHS[bucket_width]
     window = _window(start_time, end_time, width_s, _limit(limit, COSTS_LIMITS), page)
     groups = _groups(request, COSTS_GROUPS)
     by_line_item = "line_item" in groups
-    with unit_of_work() as session:
-        rows = usage_totals(
-            session,
-            start=window.start,
-            end=window.end,
-            width_s=width_s,
-            team_ids=_team_scope(principal, request),
-            by_team="project_id" in groups,
-            by_model=by_line_item,  # a line item is a model's input, cached input or output
-        )
+    rows = usage_totals(
+        session,
+        start=window.start,
+        end=window.end,
+        width_s=width_s,
+        team_ids=_team_scope(principal, request),
+        by_team="project_id" in groups,
+        by_model=by_line_item,  # a line item is a model's input, cached input or output
+    )
     grouped = _by_bucket(rows)
     buckets = []
     for start in window.bucket_starts():
-        results = []
+        results: list[CostsResult] = []
         for r in grouped.get(start, []):
             project = project_id_out(r.team_id) if r.team_id is not None else None
             if not by_line_item:
@@ -202,14 +222,15 @@ def costs(
             for kind, field in _LINE_ITEMS:
                 if _line_item_tokens(r, kind):
                     results.append(_cost_result(getattr(r, field), f"{r.model}, {kind}", project))
-        buckets.append(bucket_out(start, start + timedelta(seconds=width_s), results))
-    return usage_page(buckets, window.next_page)
+        buckets.append(
+            Bucket[CostsResult](
+                object="bucket", start_time=ts(start), end_time=window.bucket_end(start), results=results
+            )
+        )
+    return CostsPage(object="page", data=buckets, has_more=window.next_page is not None, next_page=window.next_page)
 
 
-def _cost_result(micros: int, line_item: str | None, project_id: str | None) -> dict[str, Any]:
-    return {
-        "object": "organization.costs.result",
-        "amount": amount_out(micros),
-        "line_item": line_item,
-        "project_id": project_id,
-    }
+def _cost_result(micros: int, line_item: str | None, project_id: str | None) -> CostsResult:
+    return CostsResult(
+        object="organization.costs.result", amount=amount_out(micros), line_item=line_item, project_id=project_id
+    )

@@ -14,6 +14,8 @@ import pytest
 from devfleet import fleet as fleet_mod
 from devfleet.install import ensure_seaweedfs
 from devfleet.model import CHAT_TEMPLATE, build_tiny_model, is_complete
+from devfleet.processes import SYSTEM_PORT_RANGE, free_port
+from devfleet.reaper import reap_stale_fleets
 
 
 def _pid_alive(pid: int) -> bool:
@@ -94,10 +96,10 @@ def test_chat_template_renders():
 
 
 def test_free_port_system_range_and_unique():
-    ports = [fleet_mod.free_port(port_range=fleet_mod.SYSTEM_PORT_RANGE) for _ in range(20)]
+    ports = [free_port(port_range=SYSTEM_PORT_RANGE) for _ in range(20)]
     assert len(set(ports)) == 20
     assert all(p <= 32767 for p in ports)  # DYN_SYSTEM_PORT is parsed as i16
-    assert fleet_mod.free_port() not in ports
+    assert free_port() not in ports
 
 
 def test_fleet_urls_without_start():
@@ -414,7 +416,7 @@ def test_owner_sigkilled_leaves_no_orphans(tiny_model: Path, tmp_path: Path, die
         else:
             time.sleep(1)
             assert all(_pid_alive(p) for p in pids)  # orphaned, as expected without the option
-            assert sorted(fleet_mod.reap_stale_fleets(run_dir.parent)) == sorted(pids)
+            assert sorted(reap_stale_fleets(run_dir.parent)) == sorted(pids)
             assert _wait_dead(pids)
     finally:
         for p in pids:

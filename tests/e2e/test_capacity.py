@@ -281,7 +281,7 @@ asyncio.run(main())
 
 
 def test_leases_of_a_killed_worker_lapse(db: str, busy_fleet: Any, leases: RedisLeaseStore, redis_url: str) -> None:
-    from jobs import execution
+    from jobs import sweeps
     from scheduler.ticker import Ticker
     from storage.db import unit_of_work
 
@@ -299,7 +299,7 @@ def test_leases_of_a_killed_worker_lapse(db: str, busy_fleet: Any, leases: Redis
             assert proc.poll() is None and time.monotonic() < deadline, "the drain never took its leases"
             time.sleep(0.2)
             with unit_of_work() as s:
-                holders = execution.running_claim_tokens(s)
+                holders = sweeps.running_claim_tokens(s)
         assert len(holders) == 1 and leases.alive(holders) == set(holders)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # no goodbye: nothing gets released
@@ -314,7 +314,7 @@ def test_leases_of_a_killed_worker_lapse(db: str, busy_fleet: Any, leases: Redis
     # The scheduler's tick hands the dead drain's lines back, and the capacity is free again.
     Ticker(leases=leases, enqueue=lambda *_: None, drains=0).tick()
     with unit_of_work() as s:
-        assert execution.running_claim_tokens(s) == []
+        assert sweeps.running_claim_tokens(s) == []
     assert len(leases.acquire(POOL, limit=8, n=8, ttl_s=1.0)) == 8
     retire(batch)
 
@@ -372,7 +372,7 @@ def test_concurrency_follows_interactive_latency(db: str, busy_fleet: Any, lease
 
 
 def test_no_telemetry_no_batch_work_beyond_the_floor(db: str, busy_fleet: Any, leases: RedisLeaseStore) -> None:
-    from devfleet.fleet import free_port
+    from devfleet.processes import free_port
 
     batch = make_batch("blind", 3000, expires_in_s=3600, max_tokens=24)
     cfg = ControlConfig(slo=Slo(ttft_s=0.5, itl_s=0.014), floor=2, ceiling=64)

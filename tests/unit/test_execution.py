@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from jobs.execution import normalise_body, usage_from_body
+from jobs.replies import normalise_body, usage_from_body
 from scheduler.dispatcher import add_routing_hints
 
 

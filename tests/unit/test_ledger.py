@@ -17,8 +17,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from backfill.migrate import alembic_config
 from jobs import billing, quotas
 from jobs.billing_models import Price, UsageLedgerEntry
-from jobs.execution import Outcome, Usage, claim_requests, record_outcome, release_for_retry
+from jobs.claims import claim_requests, release_for_retry
 from jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
+from jobs.replies import Outcome, Usage
+from jobs.results import record_outcome
 from jobs.usage import align, usage_totals
 from jobs.validation import ValidationResult, apply_validation
 from storage.db import make_engine
@@ -53,7 +55,7 @@ def db(request: pytest.FixtureRequest, tmp_path) -> Iterator[sessionmaker[Sessio
 
 
 def _batch(
-    session: Session, team: Team, *, lines: int, model: str = "m", status: str = BatchStatus.in_progress
+    session: Session, team: Team, *, lines: int, model: str = "m", status: BatchStatus = BatchStatus.in_progress
 ) -> Batch:
     now = utcnow()
     batch = Batch(
@@ -113,7 +115,7 @@ def test_each_request_is_billed_once_at_the_price_of_its_batch(db: sessionmaker[
         assert not record_outcome(s, batch_id=batch_id, line=2, claim_token="a", outcome=_ok(100, 0, 5))
         assert record_outcome(s, batch_id=batch_id, line=2, claim_token="b", outcome=_ok(100, 0, 5))
     with db.begin() as s:
-        # Even the hook itself run twice cannot write a second row: the unique constraint holds.
+        # Even the ledger write itself run twice cannot write a second row: the unique constraint holds.
         batch = s.get(Batch, batch_id)
         assert batch is not None
         billing.record_usage(s, batch, [(1, _ok(4077, 4032, 4))])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 
-from jobs.execution import PendingBatch
+from jobs.sweeps import PendingBatch
 from scheduler.policy import FairPlanner, PolicyConfig, plan, threatened
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import json
 
-from jobs.validation import Limits, iter_lines, validate_lines
+from jobs.validation import Limits, iter_lines, iter_lines_bounded, validate_lines
 
 LIMITS = Limits(max_requests=100, max_line_bytes=10_000, max_errors=5)
 
@@ -20,6 +20,9 @@ def test_iter_lines_offsets_survive_chunk_boundaries() -> None:
         assert got == [(1, 0, b"aa"), (2, 3, b"bbbb\r"), (3, 9, b""), (4, 10, b"cc")]
         for _, off, raw in got:
             assert data[off : off + len(raw)] == raw
+        # Lines over the limit come without their bytes, at every chunking.
+        limited = list(iter_lines_bounded(chunks, max_line_bytes=3))
+        assert limited == [(1, 0, 2, b"aa"), (2, 3, 5, None), (3, 9, 0, b""), (4, 10, 2, b"cc")]
 
 
 def test_valid_file_builds_index() -> None:

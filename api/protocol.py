@@ -1,0 +1,312 @@
+"""The wire schemas, in one place: OpenAI's Files, Batches and Models objects, the one error
+envelope, and the organization API (projects, API keys, prices, quotas, usage and costs).
+
+Routes declare these as response models, so the app's own OpenAPI document says what it
+returns; a test holds that document to OpenAI's published schemas. Fields follow OpenAI's
+schemas (and the official SDK's types): a property OpenAI marks optional is `X | None = None`
+here, because OpenAI's live API sends null for it and the SDK reads null and absence alike.
+Field order is the order on the wire. Conversions from ORM rows live in `api.wire`
+and `api.org_wire`.
+"""
+
+from __future__ import annotations
+
+from typing import Generic, Literal, Self, TypeVar
+
+from pydantic import BaseModel
+
+from jobs.models import BatchStatus
+
+# What a file's purpose can be on the wire: OpenAI's list, plus "evals", which OpenAI accepts at
+# upload (CreateFileRequest) though its File object schema leaves it out.
+FilePurpose = Literal[
+    "assistants",
+    "assistants_output",
+    "batch",
+    "batch_output",
+    "fine-tune",
+    "fine-tune-results",
+    "vision",
+    "user_data",
+    "evals",
+]
+
+Item = TypeVar("Item", bound=BaseModel)
+
+
+class ListPage(BaseModel, Generic[Item]):
+    """OpenAI's cursor page: `first_id` and `last_id` are null when the page is empty."""
+
+    object: Literal["list"]
+    data: list[Item]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+    @classmethod
+    def of(cls, data: list[Item], *, has_more: bool = False) -> Self:
+        # Some listed objects (quotas) have no id: their pages carry null cursors.
+        first, last = (getattr(data[0], "id", None), getattr(data[-1], "id", None)) if data else (None, None)
+        return cls(object="list", data=data, first_id=first, last_id=last, has_more=has_more)
+
+
+# -- Errors -----------------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The one error envelope, `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorInfo
+
+
+# -- Files ------------------------------------------------------------------------------------
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"]
+    bytes: int
+    created_at: int
+    expires_at: int | None = None
+    filename: str
+    purpose: FilePurpose
+    # Deprecated by OpenAI; every stored file is "processed".
+    status: Literal["uploaded", "processed", "error"]
+    status_details: str | None = None
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"]
+    deleted: bool
+
+
+class FileList(ListPage[FileObject]):
+    pass
+
+
+# -- Batches ----------------------------------------------------------------------------------
+
+
+class BatchError(BaseModel):
+    code: str | None = None
+    message: str | None = None
+    param: str | None = None
+    line: int | None = None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"] | None = None
+    data: list[BatchError] | None = None
+
+
+class BatchRequestCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
+class BatchUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class Batch(BaseModel):
+    id: str
+    object: Literal["batch"]
+    endpoint: str
+    model: str | None = None
+    errors: BatchErrors | None = None
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: BatchRequestCounts | None = None
+    usage: BatchUsage | None = None
+    metadata: dict[str, str] | None = None
+
+
+class BatchList(ListPage[Batch]):
+    # Optional in OpenAI's ListBatchesResponse (required in its ListFilesResponse).
+    first_id: str | None = None
+    last_id: str | None = None
+
+
+# -- Models -----------------------------------------------------------------------------------
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[Model]
+
+
+# -- Organization: projects (teams), API keys, prices, quotas ----------------------------------
+
+
+class Project(BaseModel):
+    id: str
+    object: Literal["organization.project"]
+    name: str
+    created_at: int
+    archived_at: int | None
+    status: Literal["active", "archived"]
+    weight: int  # backfill's own: the team's weight in the fair share across teams
+
+
+class ProjectApiKey(BaseModel):
+    id: str
+    object: Literal["organization.project.api_key"]
+    name: str
+    redacted_value: str
+    project_id: str
+    admin: bool
+    created_at: int
+    revoked_at: int | None
+
+
+class CreatedProjectApiKey(ProjectApiKey):
+    value: str  # the raw key, shown once at creation; only its hash is stored
+
+
+class ProjectApiKeyDeleted(BaseModel):
+    object: Literal["organization.project.api_key.deleted"]
+    id: str
+    deleted: bool
+
+
+class Price(BaseModel):
+    """Prices per million tokens as exact decimal strings in currency units."""
+
+    id: int
+    object: Literal["organization.price"]
+    model: str
+    completion_window: str | None
+    currency: str
+    unit: Literal["1M tokens"]
+    input: str
+    cached_input: str
+    output: str
+    batch_discount_percent: int
+    effective_from: int
+    created_at: int
+
+
+class Quota(BaseModel):
+    object: Literal["organization.project.quota"]
+    project_id: str
+    model: str
+    max_enqueued_tokens: int | None
+    max_concurrent_batches: int | None
+
+
+class ProjectList(ListPage[Project]):
+    pass
+
+
+class ProjectApiKeyList(ListPage[ProjectApiKey]):
+    pass
+
+
+class PriceList(BaseModel):
+    """A list page whose cursors are integers, as price ids are."""
+
+    object: Literal["list"]
+    data: list[Price]
+    first_id: int | None
+    last_id: int | None
+    has_more: bool
+
+
+class QuotaList(ListPage[Quota]):
+    pass
+
+
+# -- Organization: usage and costs (OpenAI's Usage and Costs API) -------------------------------
+
+
+class Amount(BaseModel):
+    # The only float, because OpenAI types an amount as a number; round(value * 1e6) gives the micros back.
+    value: float
+    currency: str
+
+
+class CompletionsUsageResult(BaseModel):
+    object: Literal["organization.usage.completions.result"]
+    input_tokens: int
+    output_tokens: int
+    input_cached_tokens: int
+    input_audio_tokens: int
+    output_audio_tokens: int
+    num_model_requests: int
+    project_id: str | None
+    user_id: str | None
+    api_key_id: str | None
+    model: str | None
+    batch: bool | None
+
+
+class CostsResult(BaseModel):
+    object: Literal["organization.costs.result"]
+    amount: Amount
+    line_item: str | None
+    project_id: str | None
+
+
+Result = TypeVar("Result", CompletionsUsageResult, CostsResult)
+
+
+class Bucket(BaseModel, Generic[Result]):
+    object: Literal["bucket"]
+    start_time: int
+    end_time: int
+    results: list[Result]
+
+
+class BucketPage(BaseModel, Generic[Result]):
+    object: Literal["page"]
+    data: list[Bucket[Result]]
+    has_more: bool
+    next_page: str | None
+
+
+class CompletionsUsagePage(BucketPage[CompletionsUsageResult]):
+    pass
+
+
+class CostsPage(BucketPage[CostsResult]):
+    pass

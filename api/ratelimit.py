@@ -1,0 +1,159 @@
+"""Per-key request rate limit for the API, as a pure ASGI middleware (`limits` does the counting).
+
+The key is the SHA-256 of the bearer token (the digest the keys table stores), so neither the
+limiter's storage nor a log ever holds a key. Counting is a moving window: no burst of twice
+the limit across a window boundary. With `BACKFILL_REDIS_URL` set the windows live in Redis
+and every API process shares them; otherwise each process counts in its own memory.
+
+Refusals follow OpenAI: status 429, `Retry-After`, the `x-ratelimit-*-requests` headers and
+`{"error": {"type": "requests", "code": "rate_limit_exceeded", ...}}` - the type OpenAI uses
+for a requests-per-minute limit (`"tokens"` is its token limit), which the openai SDKs raise
+as `RateLimitError` and retry after the given delay.
+
+Requests without a bearer token are not counted (they are refused by authentication), nor
+the probes in `exempt`. If the storage fails, requests pass (and a warning is logged at most
+once a minute): a broken Redis must not take the API down with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import redis.asyncio
+from limits import RateLimitItem, parse
+from limits.aio.storage import RedisStorage, Storage
+from limits.aio.strategies import MovingWindowRateLimiter
+from limits.errors import StorageError
+from limits.storage import storage_from_string
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.limits import bearer_key_digest, send_error
+from storage.settings import get_settings
+
+log = logging.getLogger("backfill.api.ratelimit")
+
+DEFAULT_RATE_LIMIT = "600/minute"
+KEY_PREFIX = "backfill:ratelimit"
+NAMESPACE = "api"
+WARN_EVERY_S = 60.0
+
+
+def configured_limit() -> str:
+    """`BACKFILL_RATE_LIMIT` in `limits` notation ("600/minute", "20/second"); empty or "off"
+    turns the limit off."""
+    return get_settings().rate_limit.strip()
+
+
+def configured_storage_uri() -> str:
+    redis_url = get_settings().redis_url.strip()
+    return f"async+{redis_url}" if redis_url else "async+memory://"
+
+
+def _make_storage(uri: str) -> tuple[Storage, Callable[[], Awaitable[None]] | None]:
+    """The storage and, for Redis, how to close its connections (at lifespan shutdown)."""
+    if not uri.startswith("async+redis"):
+        storage = storage_from_string(uri, wrap_exceptions=True)
+        assert isinstance(storage, Storage)
+        return storage, None
+    # Our own pool, so shutdown can close it; redis-py is a dependency already (`limits` would
+    # otherwise want coredis). Short timeouts: a hung Redis must not hang every request.
+    pool = redis.asyncio.ConnectionPool.from_url(
+        uri.removeprefix("async+"), socket_timeout=1.0, socket_connect_timeout=1.0
+    )
+    # `limits` types its pass-through options as scalars; the pool goes to redis-py unchanged.
+    passed: dict[str, Any] = {"connection_pool": pool}
+    storage = RedisStorage(uri, wrap_exceptions=True, implementation="redispy", key_prefix=KEY_PREFIX, **passed)
+    return storage, pool.aclose
+
+
+def _reset_words(seconds: int) -> str:
+    minutes, secs = divmod(seconds, 60)
+    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
+
+
+def _per(item: RateLimitItem) -> str:
+    window = item.GRANULARITY.name if item.multiples == 1 else f"{item.multiples} {item.GRANULARITY.name}s"
+    return f"{item.amount} per {window}"
+
+
+class RateLimit:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        limit: str | None = None,
+        storage_uri: str | None = None,
+        exempt: tuple[str, ...] = ("/health", "/ready"),
+    ) -> None:
+        self.app = app
+        text = configured_limit() if limit is None else limit.strip()
+        self.item: RateLimitItem | None = None if text.lower() in ("", "off", "0") else parse(text)
+        self.storage_uri = storage_uri or configured_storage_uri()
+        self.exempt = frozenset(exempt)
+        # Built at the first request: the Redis client belongs to the event loop that serves.
+        self._limiter: MovingWindowRateLimiter | None = None
+        self._close: Callable[[], Awaitable[None]] | None = None
+        self._warned_at = -math.inf
+
+    def limiter(self) -> MovingWindowRateLimiter:
+        if self._limiter is None:
+            storage, self._close = _make_storage(self.storage_uri)
+            self._limiter = MovingWindowRateLimiter(storage)
+        return self._limiter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, self._closing_at_shutdown(receive), send)
+            return
+        if self.item is None or scope["type"] != "http" or scope["path"].rstrip("/") in self.exempt:
+            await self.app(scope, receive, send)
+            return
+        digest = bearer_key_digest(scope)
+        if digest is None:
+            await self.app(scope, receive, send)
+            return
+        item = self.item
+        try:
+            allowed = await self.limiter().hit(item, NAMESPACE, digest)
+            stats = None if allowed else await self.limiter().get_window_stats(item, NAMESPACE, digest)
+        except StorageError as exc:
+            self._warn(exc)
+            allowed, stats = True, None
+        if allowed:
+            await self.app(scope, receive, send)
+            return
+        retry_after = max(1, math.ceil(stats.reset_time - time.time())) if stats else 1
+        await send_error(
+            send,
+            429,
+            f"Rate limit reached for requests on this API key: limit {_per(item)}. "
+            f"Please try again in {_reset_words(retry_after)}.",
+            type_="requests",
+            code="rate_limit_exceeded",
+            headers=(
+                (b"retry-after", str(retry_after).encode()),
+                (b"x-ratelimit-limit-requests", str(item.amount).encode()),
+                (b"x-ratelimit-remaining-requests", str(stats.remaining if stats else 0).encode()),
+                (b"x-ratelimit-reset-requests", _reset_words(retry_after).encode()),
+            ),
+        )
+
+    def _closing_at_shutdown(self, receive: Receive) -> Receive:
+        async def wrapped() -> Message:
+            message = await receive()
+            if message["type"] == "lifespan.shutdown" and self._close is not None:
+                close, self._close, self._limiter = self._close, None, None
+                await close()
+            return message
+
+        return wrapped
+
+    def _warn(self, exc: StorageError) -> None:
+        now = time.monotonic()
+        if now - self._warned_at >= WARN_EVERY_S:
+            self._warned_at = now
+            log.warning("rate limit storage failed, letting requests through: %s", type(exc.storage_error).__name__)

@@ -1,0 +1,277 @@
+"""Scale: one large batch through backfill's real processes on the production adapters.
+
+Postgres, Redis (broker + leases), SeaweedFS (S3) and the Dynamo frontend + mocker fleet at
+speedup 0 (no simulated delay, so the fleet costs only CPU). One file is uploaded, validated,
+run, finalized and downloaded; each phase is timed from the client's side. Every backfill
+process (API, worker and its pool children, scheduler) is sampled for RSS and CPU time.
+
+    .venv/bin/python -m bench.scale                                   # 200 MB, 50,000 lines
+    .venv/bin/python -m bench.scale --lines 1000000 --line-bytes 200 --window 120s
+
+With a window shorter than the run needs, the batch expires: its unfinished lines become
+`batch_expired` error lines, so finalization and download still cover every line (the way to
+measure a 1,000,000-line file on a machine whose fleet stand-in runs ~100 requests/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/8")
+MODEL = "tiny-chat"
+MB = 1024 * 1024
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+
+
+def write_input(path: Path, lines: int, line_bytes: int) -> int:
+    """JSONL of chat requests, each padded to about `line_bytes` (distinct prompts: no shared prefix)."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
+    with path.open("wb") as f:
+        for i in range(lines):
+            head = {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": ""}]},
+            }
+            base = len(json.dumps(head)) + 1
+            text = f"item {i}: "
+            k = i
+            while len(text) < line_bytes - base:
+                text += words[k % len(words)] + " "
+                k = k * 7 + 3
+            head["body"]["messages"][0]["content"] = text[: max(8, line_bytes - base)]  # type: ignore[index]
+            f.write(json.dumps(head).encode() + b"\n")
+    return path.stat().st_size
+
+
+@dataclass
+class ProcessSampler:
+    """Peak RSS and CPU seconds of process groups (a root and all its descendants), sampled."""
+
+    roots: dict[str, int]
+    peak_rss: dict[str, int] = field(default_factory=dict)
+    cpu: dict[int, float] = field(default_factory=dict)  # pid -> last seen user+system seconds
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def sample(self) -> None:
+        for name, pid in self.roots.items():
+            try:
+                root = psutil.Process(pid)
+                procs = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                continue
+            for p in procs:
+                try:
+                    rss = p.memory_info().rss
+                    t = p.cpu_times()
+                except psutil.Error:
+                    continue
+                key = f"{name}:{p.pid}"
+                self.peak_rss[key] = max(self.peak_rss.get(key, 0), rss)
+                self.cpu[p.pid] = max(self.cpu.get(p.pid, 0.0), t.user + t.system)
+
+    def run(self) -> None:
+        while not self._stop.wait(0.25):
+            self.sample()
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self.run, daemon=True)
+        thread.start()
+        return thread
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.sample()
+
+    def cpu_total(self) -> float:
+        return sum(self.cpu.values())
+
+
+def db_footprint(pg_url: str) -> list[tuple[str, int, int]]:
+    import psycopg
+
+    url = pg_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("ANALYZE")
+        rows = conn.execute(
+            "SELECT relname, n_live_tup, pg_total_relation_size(relid) FROM pg_stat_user_tables ORDER BY 3 DESC"
+        ).fetchall()
+    return [(str(r[0]), int(r[1]), int(r[2])) for r in rows]
+
+
+def run_batch(base_url: str, key: str, path: Path, window: str, out_dir: Path) -> dict[str, float]:
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key=key, timeout=600, max_retries=2)
+    t: dict[str, float] = {}
+    start = time.perf_counter()
+    with path.open("rb") as f:
+        uploaded = client.files.create(file=(path.name, f), purpose="batch")
+    t["upload"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window=window)
+    seen: dict[str, float] = {"validating": start}
+    while batch.status not in TERMINAL:
+        time.sleep(0.2)
+        batch = client.batches.retrieve(batch.id)
+        seen.setdefault(batch.status, time.perf_counter())
+    end = time.perf_counter()
+    seen.setdefault("finalizing", end)
+    run_start = seen.get("in_progress", seen["finalizing"])
+    t["validate"] = run_start - start
+    t["run"] = seen["finalizing"] - run_start
+    t["finalize"] = end - seen["finalizing"]
+    if batch.status not in ("completed", "expired"):
+        raise RuntimeError(f"batch ended {batch.status}: {batch.errors}")
+    counts = batch.request_counts
+    print(f"batch {batch.status}: {counts}")
+
+    start = time.perf_counter()
+    out_bytes = 0
+    lines = 0
+    for kind, file_id in (("output", batch.output_file_id), ("error", batch.error_file_id)):
+        if not file_id:
+            continue
+        target = out_dir / f"{kind}.jsonl"
+        with client.files.with_streaming_response.content(file_id) as response:
+            response.stream_to_file(target)
+        out_bytes += target.stat().st_size
+        with target.open("rb") as fh:
+            lines += sum(1 for _ in fh)
+    t["download"] = time.perf_counter() - start
+    t["result_bytes"] = out_bytes
+    t["result_lines"] = lines
+    t["succeeded"] = counts.completed if counts else 0
+    return t
+
+
+async def direct(fleet_url: str, path: Path, n: int, concurrency: int) -> int:
+    """The baseline client: the same bodies posted straight to the fleet."""
+    import httpx
+
+    bodies = []
+    with path.open("rb") as f:
+        for _, raw in zip(range(n), f, strict=False):
+            bodies.append(json.loads(raw)["body"])
+    sem = asyncio.Semaphore(concurrency)
+    ok = 0
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency)) as client:
+
+        async def one(body: dict[str, object]) -> None:
+            nonlocal ok
+            async with sem:
+                r = await client.post(f"{fleet_url}/chat/completions", json=body)
+                ok += r.status_code == 200
+
+        await asyncio.gather(*(one(b) for b in bodies))
+    return ok
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lines", type=int, default=50_000)
+    ap.add_argument("--line-bytes", type=int, default=4_000)
+    ap.add_argument("--window", default="24h", help="completion window (a short one makes the batch expire)")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--direct-lines", type=int, default=5_000, help="lines the direct client sends for its CPU figure")
+    args = ap.parse_args()
+
+    import redis
+
+    from devfleet.fleet import Fleet
+    from devfleet.processes import free_port
+    from devfleet.s3 import SeaweedS3
+    from tests.stack import Stack, create_database, drop_database, service_env
+
+    redis.Redis.from_url(REDIS_URL).flushdb()
+    db = f"backfill_scale_{secrets.token_hex(4)}"
+    with tempfile.TemporaryDirectory() as tmp_s:
+        tmp = Path(tmp_s)
+        path = tmp / "scale.jsonl"
+        size = write_input(path, args.lines, args.line_bytes)
+        print(f"input: {args.lines} lines, {size / MB:.1f} MB")
+        with Fleet(num_workers=2, speedup_ratio=0.0, model_name=MODEL) as fleet, SeaweedS3() as s3:
+            s3.create_bucket("backfill-test")
+            pg_url = create_database(PG_ADMIN_URL, db)
+            key = "sk-bench-" + secrets.token_hex(12)
+            env = {
+                **service_env(home=tmp / "home", pg_url=pg_url, redis_url=REDIS_URL, s3=s3, fleet_url=fleet.base_url),
+                "BACKFILL_BOOTSTRAP_API_KEY": key,
+                "BACKFILL_MAX_INFLIGHT": str(args.concurrency),
+                "BACKFILL_MAX_FILE_BYTES": str(size + MB),
+                "BACKFILL_MAX_REQUESTS_PER_BATCH": str(max(args.lines, 50_000)),
+                "BACKFILL_COMPLETION_WINDOWS": args.window,
+                "BACKFILL_RATE_LIMIT": "off",
+                "BACKFILL_LOG_LEVEL": "WARNING",
+            }
+            stack = Stack(env=env, logdir=tmp, api_port=free_port())
+            try:
+                for name in ("api", "worker", "scheduler"):
+                    stack.start(name)
+                stack.wait_healthy()
+                sampler = ProcessSampler({name: p.pid for name, p in stack.procs.items()})
+                sampler.sample()
+                cpu_before = sampler.cpu_total()
+                sampler.start()
+                phases = run_batch(stack.base_url, key, path, args.window, tmp)
+                sampler.stop()
+                backfill_cpu = sampler.cpu_total() - cpu_before
+                footprint = db_footprint(pg_url)
+            finally:
+                stack.stop()
+                drop_database(PG_ADMIN_URL, db)
+
+            n_direct = min(args.direct_lines, args.lines)
+            cpu0 = time.process_time()
+            ok = asyncio.run(direct(fleet.base_url, path, n_direct, args.concurrency))
+            direct_cpu = time.process_time() - cpu0
+
+    assert phases["result_lines"] == args.lines, (phases["result_lines"], args.lines)
+    executed = max(int(phases["succeeded"]), 1)
+    print(f"\n{'phase':<10}{'seconds':>10}{'MB/s':>10}")
+    for name, mb in (
+        ("upload", size / MB),
+        ("validate", size / MB),
+        ("run", None),
+        ("finalize", phases["result_bytes"] / MB),
+        ("download", phases["result_bytes"] / MB),
+    ):
+        rate = f"{mb / phases[name]:>10.1f}" if mb is not None and phases[name] > 0 else f"{'':>10}"
+        print(f"{name:<10}{phases[name]:>10.1f}{rate}")
+    print(f"\nexecuted {executed} of {args.lines} lines; result files {phases['result_bytes'] / MB:.1f} MB")
+    print(f"\n{'process':<22}{'peak RSS MB':>12}")
+    for name, rss in sorted(sampler.peak_rss.items(), key=lambda kv: -kv[1]):
+        print(f"{name:<22}{rss / MB:>12.1f}")
+    print(f"\n{'table':<24}{'rows':>12}{'MB':>10}")
+    for table, rows, nbytes in footprint:
+        print(f"{table:<24}{rows:>12}{nbytes / MB:>10.1f}")
+    cpu_ms = backfill_cpu * 1000 / executed
+    direct_ms = direct_cpu * 1000 / max(ok, 1)
+    print(
+        f"\nCPU: backfill processes {backfill_cpu:.1f} s for {executed} executed requests; "
+        f"direct client {direct_cpu:.1f} s for {ok}"
+    )
+    peak = max(sampler.peak_rss.values()) / MB
+    print(
+        f"scale: upload_mb_s={size / MB / phases['upload']:.1f} validate_mb_s={size / MB / max(phases['validate'], 1e-9):.1f} "
+        f"finalize_mb_s={phases['result_bytes'] / MB / max(phases['finalize'], 1e-9):.1f} peak_rss_mb={peak:.0f} "
+        f"cpu_ms_per_request={cpu_ms:.2f} direct_cpu_ms_per_request={direct_ms:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

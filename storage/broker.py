@@ -1,0 +1,83 @@
+"""The broker: one Celery app, the task and queue names, and sending a task by name.
+
+It sits in `storage` so that the API can enqueue work with a direct call without importing
+the scheduler; the scheduler registers the task bodies on this same app (`scheduler.tasks`).
+Redis in production, kombu's filesystem transport (no server) when embedded.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+
+from celery import Celery
+
+from storage.settings import get_settings
+
+log = logging.getLogger("backfill.broker")
+
+
+class TaskName(enum.StrEnum):
+    """Every Celery task name, in one place."""
+
+    validate_batch = "backfill.validate_batch"
+    drain = "backfill.drain"
+    finalize_batch = "backfill.finalize_batch"
+
+
+class QueueName(enum.StrEnum):
+    """One queue per kind of work, so no kind starves another (a large upload's validation
+    never waits behind drains, and drains never wait behind validations)."""
+
+    validation = "validation"
+    dispatch = "dispatch"
+    finalization = "finalization"
+
+
+QUEUE_OF: dict[TaskName, QueueName] = {
+    TaskName.validate_batch: QueueName.validation,
+    TaskName.drain: QueueName.dispatch,
+    TaskName.finalize_batch: QueueName.finalization,
+}
+
+
+def make_celery() -> Celery:
+    s = get_settings()
+    app = Celery("backfill", broker=s.resolved_broker_url)
+    conf: dict[str, object] = {
+        "task_acks_late": True,  # a task killed mid-way is redelivered, and every task is idempotent
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "task_ignore_result": True,
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        "broker_connection_retry_on_startup": True,
+        "worker_hijack_root_logger": False,
+        "task_default_queue": QueueName.dispatch.value,
+        "task_routes": {name.value: {"queue": queue.value} for name, queue in QUEUE_OF.items()},
+    }
+    if s.resolved_broker_url.startswith("filesystem"):
+        folder = s.broker_folder
+        for sub in ("queue", "processed", "control"):
+            (folder / sub).mkdir(parents=True, exist_ok=True)
+        conf["broker_transport_options"] = {
+            "data_folder_in": str(folder / "queue"),
+            "data_folder_out": str(folder / "queue"),
+            "processed_folder": str(folder / "processed"),
+            # kombu's default is ./control, in whatever directory the process started.
+            "control_folder": str(folder / "control"),
+            "store_processed": False,
+        }
+    else:
+        conf["broker_transport_options"] = {"visibility_timeout": 3600}
+    app.conf.update(conf)
+    return app
+
+
+celery_app = make_celery()
+
+
+def send_task(name: TaskName, *args: str) -> None:
+    """Enqueue a task by name on its queue. Raises if the broker cannot be reached: callers
+    that can rely on the scheduler loop's re-nudge catch and log it."""
+    celery_app.send_task(name.value, args=list(args), queue=QUEUE_OF[name].value)

@@ -1,0 +1,254 @@
+"""Finalization on SQLite and Postgres with a real object store: OpenAI's line format, the same
+bytes when redone, one set of File rows, and no row lock held while the files are written."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from pathlib import Path
+
+import orjson
+import pytest
+from sqlalchemy import func, select, text, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from jobs.batches import cancel_batch
+from jobs.errors import Conflict
+from jobs.models import Batch, BatchRequest, BatchStatus, File, RequestState, Team, utcnow
+from jobs.output import derived_file_id, finalize_batch, output_key
+from storage.objects import LocalObjectStore
+
+# line -> state; answered lines (succeeded, failed) carry the fleet's reply.
+LINES = {
+    1: RequestState.succeeded,
+    2: RequestState.failed,
+    3: RequestState.succeeded,
+    4: RequestState.expired,
+    5: RequestState.succeeded,
+}
+
+
+def _batch(session: Session, *, status: BatchStatus, states: dict[int, RequestState]) -> Batch:
+    team = Team(name=f"t-{secrets.token_hex(4)}")
+    session.add(team)
+    session.flush()
+    now = utcnow()
+    batch = Batch(
+        team_id=team.id,
+        input_file_id="f",
+        endpoint="/v1/chat/completions",
+        model="m",
+        completion_window="24h",
+        status=status,
+        created_at=now,
+        expires_at=now + timedelta(hours=24),
+        total=len(states),
+        output_expires_after_s=3600,
+    )
+    session.add(batch)
+    session.flush()
+    for line, state in states.items():
+        answered = state in (RequestState.succeeded, RequestState.failed)
+        session.add(
+            BatchRequest(
+                batch_id=batch.id,
+                line=line,
+                custom_id=f"req-{line}",
+                offset=0,
+                length=1,
+                state=state,
+                result_id=f"r{line}" if answered else None,
+                status_code=(200 if state == RequestState.succeeded else 400) if answered else None,
+                request_id=f"fleet-{line}" if answered else None,
+                response_body=orjson.dumps({"n": line, "text": "x" * 700}).decode() if answered else None,
+                prompt_tokens=10 * line if state == RequestState.succeeded else 0,
+                completion_tokens=line if state == RequestState.succeeded else 0,
+            )
+        )
+    session.flush()
+    return batch
+
+
+class PausingStore(LocalObjectStore):
+    """A local store whose writes stop after their first line until the test lets them go on."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.writing = threading.Event()
+        self.resume = threading.Event()
+        self.puts = 0
+
+    def put(self, key: str, chunks: Iterable[bytes], *, max_bytes: int | None = None) -> int:
+        def paused() -> Iterator[bytes]:
+            for n, chunk in enumerate(chunks):
+                if n == 1:
+                    self.writing.set()
+                    assert self.resume.wait(60), "the test never resumed the write"
+                yield chunk
+
+        self.puts += 1
+        return super().put(key, paused(), max_bytes=max_bytes)
+
+
+def _files(store: LocalObjectStore, team_id: str, batch_id: str) -> dict[str, bytes]:
+    prefix = f"batches/{team_id}/{batch_id}/"
+    # Finished objects only: a write in progress shows as a `.tmp-` file beside them.
+    return {o.key: b"".join(store.open(o.key)) for o in store.list(prefix) if "/.tmp-" not in o.key}
+
+
+def _lock_timeout(session: Session) -> None:
+    """Fail fast instead of queueing behind a lock, so a held lock shows up as an error."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SET LOCAL lock_timeout = '3s'"))
+    else:
+        session.execute(text("PRAGMA busy_timeout = 3000"))
+
+
+def test_lines_follow_openai_format_and_a_redone_finalization_writes_the_same_bytes(
+    db: sessionmaker[Session], tmp_path: Path
+) -> None:
+    store = LocalObjectStore(tmp_path / "objects")
+    with db.begin() as s:
+        batch = _batch(s, status=BatchStatus.in_progress, states=LINES)
+        batch_id, team_id = batch.id, batch.team_id
+
+    # The worker dies after writing both files, before the status change commits.
+    calls = 0
+
+    def dying_units() -> AbstractContextManager[Session]:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("worker killed")
+        return db.begin()
+
+    with pytest.raises(RuntimeError):
+        finalize_batch(dying_units, store, batch_id=batch_id)
+    first = _files(store, team_id, batch_id)
+    assert set(first) == {output_key(team_id, batch_id, "output"), output_key(team_id, batch_id, "error")}
+    with db() as s:
+        assert s.get(Batch, batch_id).status == BatchStatus.finalizing  # type: ignore[union-attr]
+        assert s.execute(select(func.count()).select_from(File)).scalar() == 0
+
+    assert finalize_batch(db.begin, store, batch_id=batch_id) == BatchStatus.completed
+    assert _files(store, team_id, batch_id) == first
+    assert finalize_batch(db.begin, store, batch_id=batch_id) == BatchStatus.completed  # a no-op now
+    assert _files(store, team_id, batch_id) == first
+
+    out = [orjson.loads(x) for x in first[output_key(team_id, batch_id, "output")].splitlines()]
+    assert [(x["id"], x["custom_id"], x["response"]["status_code"], x["error"]) for x in out] == [
+        ("batch_req_r1", "req-1", 200, None),
+        ("batch_req_r3", "req-3", 200, None),
+        ("batch_req_r5", "req-5", 200, None),
+    ]
+    assert out[1]["response"]["body"] == {"n": 3, "text": "x" * 700}
+    assert out[1]["response"]["request_id"] == "fleet-3"
+    err = [orjson.loads(x) for x in first[output_key(team_id, batch_id, "error")].splitlines()]
+    assert [(x["custom_id"], x["response"] and x["response"]["status_code"]) for x in err] == [
+        ("req-2", 400),
+        ("req-4", None),
+    ]
+    assert err[1]["error"]["code"] == "batch_expired" and err[1]["id"] == "batch_req_4"
+
+    with db() as s:
+        batch = s.get(Batch, batch_id)  # type: ignore[assignment]
+        assert batch is not None and batch.completed_at is not None
+        assert (batch.completed, batch.failed, batch.input_tokens, batch.output_tokens) == (3, 2, 90, 9)
+        files = {f.id: f for f in s.execute(select(File)).scalars()}
+        assert set(files) == {derived_file_id(batch_id, "output"), derived_file_id(batch_id, "error")}
+        assert batch.output_file_id == derived_file_id(batch_id, "output")
+        assert batch.error_file_id == derived_file_id(batch_id, "error")
+        for f in files.values():
+            assert f.bytes == len(first[f.object_key]) and f.purpose == "batch_output"
+            assert f.expires_at is not None and f.created_at is not None
+
+
+def test_a_batch_with_lines_left_to_run_is_not_finalized(db: sessionmaker[Session], tmp_path: Path) -> None:
+    store = LocalObjectStore(tmp_path / "objects")
+    with db.begin() as s:
+        batch = _batch(s, status=BatchStatus.in_progress, states={**LINES, 6: RequestState.running})
+        batch_id, team_id = batch.id, batch.team_id
+    assert finalize_batch(db.begin, store, batch_id=batch_id) == BatchStatus.in_progress
+    assert _files(store, team_id, batch_id) == {}
+    assert finalize_batch(db.begin, store, batch_id="missing") is None
+
+
+def _start(
+    pool: ThreadPoolExecutor, db: sessionmaker[Session], store: PausingStore, batch_id: str
+) -> Future[BatchStatus | None]:
+    running = pool.submit(finalize_batch, db.begin, store, batch_id=batch_id)
+    assert store.writing.wait(30), "finalization never started writing"
+    return running
+
+
+def test_a_cancel_during_the_file_write_answers_at_once(db: sessionmaker[Session], tmp_path: Path) -> None:
+    store = PausingStore(tmp_path / "objects")
+    with db.begin() as s:
+        batch_id = _batch(s, status=BatchStatus.in_progress, states=LINES).id
+    with ThreadPoolExecutor(1) as pool:
+        running = _start(pool, db, store, batch_id)
+        # The output file is half written. The batch row is free: a cancel is refused at once
+        # (a finalizing batch is past cancelling) and any other write to the row commits.
+        with pytest.raises(Conflict), db.begin() as s:
+            _lock_timeout(s)
+            cancel_batch(s, team_id=None, batch_id=batch_id)
+        with db.begin() as s:
+            _lock_timeout(s)
+            s.execute(update(Batch).where(Batch.id == batch_id).values(metadata_={"touched": "yes"}))
+        assert not running.done()
+        store.resume.set()
+        assert running.result(timeout=60) == BatchStatus.completed
+    with db() as s:
+        batch = s.get(Batch, batch_id)
+        assert batch is not None and batch.metadata_ == {"touched": "yes"} and batch.completed == 3
+
+
+def test_a_cancelling_batch_ends_cancelled_and_a_repeated_cancel_is_not_blocked(
+    db: sessionmaker[Session], tmp_path: Path
+) -> None:
+    store = PausingStore(tmp_path / "objects")
+    states = {1: RequestState.succeeded, 2: RequestState.cancelled, 3: RequestState.cancelled}
+    with db.begin() as s:
+        batch = _batch(s, status=BatchStatus.cancelling, states=states)
+        batch_id, team_id = batch.id, batch.team_id
+    with ThreadPoolExecutor(1) as pool:
+        running = _start(pool, db, store, batch_id)  # pauses inside the error file (output has one line)
+        with db.begin() as s:
+            _lock_timeout(s)
+            assert cancel_batch(s, team_id=None, batch_id=batch_id).status == BatchStatus.cancelling
+        store.resume.set()
+        assert running.result(timeout=60) == BatchStatus.cancelled
+    err = _files(store, team_id, batch_id)[output_key(team_id, batch_id, "error")]
+    assert [orjson.loads(x)["error"]["code"] for x in err.splitlines()] == ["batch_cancelled"] * 2
+    with db() as s:
+        batch = s.get(Batch, batch_id)  # type: ignore[assignment]
+        assert batch is not None and batch.cancelled_at is not None and batch.completed_at is None
+        assert batch.output_file_id == derived_file_id(batch_id, "output")  # the line that ran before the cancel
+        assert batch.error_file_id == derived_file_id(batch_id, "error")
+
+
+def test_two_finalizations_at_once_write_the_same_files_and_one_set_of_rows(
+    db: sessionmaker[Session], tmp_path: Path
+) -> None:
+    slow = PausingStore(tmp_path / "objects")
+    with db.begin() as s:
+        batch = _batch(s, status=BatchStatus.in_progress, states=LINES)
+        batch_id, team_id = batch.id, batch.team_id
+    with ThreadPoolExecutor(1) as pool:
+        running = _start(pool, db, slow, batch_id)
+        # A redelivered message finalizes the batch while the first worker is still writing.
+        assert finalize_batch(db.begin, LocalObjectStore(tmp_path / "objects"), batch_id=batch_id) == "completed"
+        done = _files(slow, team_id, batch_id)
+        slow.resume.set()
+        assert running.result(timeout=60) == BatchStatus.completed  # lost the compare-and-set
+    assert slow.puts == 2 and _files(slow, team_id, batch_id) == done
+    with db() as s:
+        rows = list(s.execute(select(File.id, File.bytes)).all())
+    assert sorted(rows) == sorted(
+        (derived_file_id(batch_id, kind), len(done[output_key(team_id, batch_id, kind)]))
+        for kind in ("output", "error")
+    )

@@ -1,0 +1,106 @@
+"""The scheduler loop's nudges: which task, by its `TaskName`, for which batch."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+
+from jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
+from scheduler.leases import SqlLeaseStore
+from scheduler.ticker import Ticker
+from storage import db as storage_db
+from storage import objects, settings
+from storage.broker import TaskName
+from storage.db import unit_of_work
+from tests.stack import create_database, drop_database
+
+PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+@pytest.fixture(scope="module")
+def scratch_db(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A database of its own, used in-process through the usual settings (the ticker opens its
+    own units of work)."""
+    name = f"backfill_ticker_{secrets.token_hex(4)}"
+    url = create_database(PG_ADMIN_URL, name)
+    env = {"BACKFILL_DATABASE_URL": url, "BACKFILL_HOME": str(tmp_path_factory.mktemp("ticker-home"))}
+    saved = {k: os.environ.get(k) for k in env}
+
+    def reset() -> None:
+        settings.get_settings.cache_clear()
+        storage_db.get_engine.cache_clear()
+        storage_db._session_factory.cache_clear()
+        objects.get_object_store.cache_clear()
+
+    os.environ.update(env)
+    reset()
+    yield url
+    storage_db.get_engine().dispose()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    reset()
+    drop_database(PG_ADMIN_URL, name)
+
+
+def _batch(team_id: str, status: BatchStatus, *, age_s: float = 0.0, expires_in_s: float = 3600, lines: int = 0) -> str:
+    now = utcnow()
+    with unit_of_work() as s:
+        batch = Batch(
+            team_id=team_id,
+            input_file_id="f",
+            endpoint="/v1/chat/completions",
+            model="m",
+            completion_window="24h",
+            status=status,
+            created_at=now - timedelta(seconds=age_s),
+            expires_at=now + timedelta(seconds=expires_in_s),
+            total=lines,
+        )
+        s.add(batch)
+        s.flush()
+        for line in range(1, lines + 1):
+            s.add(BatchRequest(batch_id=batch.id, line=line, custom_id=f"r{line}", offset=0, length=1))
+        return batch.id
+
+
+def test_a_tick_enqueues_each_task_by_its_name(scratch_db: str) -> None:
+    with unit_of_work() as s:
+        team = Team(name="ticker")
+        s.add(team)
+        s.flush()
+        team_id = team.id
+    finalizing = _batch(team_id, BatchStatus.finalizing)
+    overdue = _batch(team_id, BatchStatus.in_progress, expires_in_s=-1, lines=1)
+    lost_validation = _batch(team_id, BatchStatus.validating, age_s=60)
+    _batch(team_id, BatchStatus.validating)  # just created: its own message is still on the way
+    _batch(team_id, BatchStatus.in_progress, lines=2)  # work left: drains are kept running
+    _batch(team_id, BatchStatus.completed)
+
+    sent: list[tuple[TaskName, tuple[str, ...]]] = []
+
+    def enqueue(name: TaskName, /, *args: str) -> None:
+        sent.append((name, args))
+
+    ticker = Ticker(leases=SqlLeaseStore(), enqueue=enqueue, drains=2)
+    ticker.tick()
+    assert all(type(name) is TaskName for name, _ in sent)
+    assert sorted(sent) == sorted(
+        [
+            (TaskName.finalize_batch, (finalizing,)),
+            (TaskName.finalize_batch, (overdue,)),  # expired in this same tick
+            (TaskName.validate_batch, (lost_validation,)),
+            (TaskName.drain, ()),
+            (TaskName.drain, ()),
+        ]
+    )
+    # A second tick right away repeats nothing: nudges are spaced out.
+    sent.clear()
+    ticker.tick()
+    assert sent == []
