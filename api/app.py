@@ -12,10 +12,11 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from api.access_log import AccessLog
 from api.errors import install_error_handlers
 from api.limits import BodyLimit, UploadGate
 from api.ratelimit import RateLimit
-from api.routes import admin, batches, files, models, usage
+from api.routes import admin, batches, dashboard, files, models, ops, partial, usage, webhooks
 from jobs.teams import ensure_key
 from storage.db import unit_of_work
 from storage.settings import get_settings
@@ -48,8 +49,10 @@ def create_app() -> FastAPI:
     app.add_middleware(BodyLimit)
     app.add_middleware(UploadGate)
     app.add_middleware(RateLimit)
-    for module in (files, batches, models, usage, admin):
+    app.add_middleware(AccessLog)  # outermost: it logs every answer, a 429 or 413 too
+    for module in (files, batches, models, usage, admin, partial, webhooks, dashboard, ops):
         app.include_router(module.router)
+    app.include_router(dashboard.page)  # the page and its two assets: not API routes
 
     @app.get("/health", include_in_schema=False)
     def health() -> Health:

@@ -40,7 +40,9 @@ def current_principal(request: Request) -> Principal:
     scheme, _, token = header.partition(" ")
     raw = token.strip() if scheme.lower() == "bearer" else ""
     with unit_of_work() as session:
-        return authenticate(session, raw or None)
+        principal = authenticate(session, raw or None)
+    request.state.team_id = principal.team_id  # for the access log (never the key)
+    return principal
 
 
 CurrentPrincipal = Annotated[Principal, Depends(current_principal)]

@@ -4,13 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import signal
-import subprocess
-import sys
 import threading
-import time
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -31,6 +26,8 @@ def _logging() -> None:
     logging.basicConfig(
         level=os.environ.get("BACKFILL_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # httpx logs every request at INFO: the capacity controller scrapes the fleet several times a second.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 @app.command()
@@ -124,17 +121,6 @@ def scheduler() -> None:
             control.join(timeout=5)
 
 
-def _bootstrap_key(home: Path) -> str:
-    path = home / "bootstrap_key"
-    if path.exists():
-        return path.read_text().strip()
-    key = "sk-dev-" + secrets.token_urlsafe(24)
-    home.mkdir(parents=True, exist_ok=True)
-    path.write_text(key + "\n")
-    path.chmod(0o600)
-    return key
-
-
 @app.command()
 def up(
     port: Annotated[int, typer.Option(help="API port.")] = 8080,
@@ -142,89 +128,11 @@ def up(
     speedup: Annotated[float, typer.Option(help="Simulated fleet: speedup ratio of the mocker.")] = 10.0,
 ) -> None:
     """Run API + worker + scheduler together; on embedded defaults when nothing is configured
-    (SQLite, a local object directory, a file broker, and the simulated Dynamo fleet)."""
-    from storage.settings import get_settings
+    (SQLite, a local object directory, a file broker, and the simulated Dynamo fleet). Prints the
+    URL, key, model and fleet, then a line per batch event; all state stays in BACKFILL_HOME."""
+    from backfill.up import run_up
 
-    _logging()
-
-    def _interrupt(*_: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _interrupt)  # a plain `kill` stops the fleet too
-    s = get_settings()
-    env = dict(os.environ)
-    env.setdefault("BACKFILL_HOME", str(s.home))
-    # The embedded mode is a development setup: its generated key starts with sk-dev.
-    env.setdefault("BACKFILL_ENVIRONMENT", "development")
-    fleet = None
-    if not s.fleet_url_list:
-        from devfleet.fleet import Fleet
-
-        typer.echo("starting the simulated fleet (Dynamo frontend + mocker); the first run installs it…")
-        fleet = Fleet(model_name="tiny-chat", num_workers=fleet_workers, speedup_ratio=speedup)
-        fleet.start()
-        env["BACKFILL_FLEET_URLS"] = fleet.base_url
-        # The simulated fleet's own telemetry, so the capacity controller runs against it as it
-        # would against a production fleet (BACKFILL_CAPACITY_CONTROL=false turns it off).
-        env.setdefault("BACKFILL_CAPACITY_CONTROL", "true")
-        env.setdefault(
-            "BACKFILL_FLEET_METRICS_URLS",
-            ",".join([f"frontend={fleet.frontend_metrics_url}", *(f"{w.role}={w.url}" for w in fleet.worker_metrics_urls)]),
-        )
-    if not s.bootstrap_api_key:
-        env["BACKFILL_BOOTSTRAP_API_KEY"] = _bootstrap_key(s.home)
-    key = env.get("BACKFILL_BOOTSTRAP_API_KEY", "")
-
-    procs: list[subprocess.Popen[bytes]] = []
-    exe = [sys.executable, "-m", "backfill"]
-    try:
-        subprocess.run([*exe, "migrate"], env=env, check=True)
-        procs.append(subprocess.Popen([*exe, "worker"], env=env))
-        procs.append(subprocess.Popen([*exe, "scheduler"], env=env))
-        procs.append(subprocess.Popen([*exe, "api", "--port", str(port)], env=env))
-        base = f"http://127.0.0.1:{port}/v1"
-        _wait_http(f"http://127.0.0.1:{port}/health", procs)
-        typer.secho("\nbackfill is up", fg=typer.colors.GREEN, bold=True)
-        typer.echo(f"  base URL : {base}")
-        typer.echo(f"  API key  : {key}")
-        typer.echo(f"  fleet    : {env.get('BACKFILL_FLEET_URLS')}")
-        typer.echo(
-            f'  try      : OPENAI_BASE_URL={base} OPENAI_API_KEY={key} python -c "import openai; print(openai.OpenAI().models.list())"'
-        )
-        typer.echo("Ctrl-C stops everything.\n")
-        while all(p.poll() is None for p in procs):
-            time.sleep(0.5)
-        typer.secho("a component exited; stopping", fg=typer.colors.RED)
-        raise typer.Exit(1)
-    except KeyboardInterrupt:
-        typer.echo("stopping…")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        if fleet is not None:
-            fleet.stop()
-
-
-def _wait_http(url: str, procs: list[subprocess.Popen[bytes]], timeout_s: float = 60.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            raise typer.Exit(1)
-        try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} did not come up in {timeout_s:.0f}s")
+    run_up(port=port, fleet_workers=fleet_workers, speedup=speedup)
 
 
 def main() -> None:

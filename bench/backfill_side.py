@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
                 admission=admission,
                 fleet=fleet,
                 planner=make_planner(admission=admission),
-                max_attempts=s.fleet_max_retries,
+                max_attempts=s.max_attempts,
                 hint_mode=s.fleet_priority_hint,
             )
             await d.run(a.t_end - time.time(), max_drains=1)

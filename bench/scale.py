@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import secrets
+import signal
 import tempfile
 import threading
 import time
@@ -189,6 +190,11 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--direct-lines", type=int, default=5_000, help="lines the direct client sends for its CPU figure")
     args = ap.parse_args()
+
+    def _stop(*_: object) -> None:
+        raise KeyboardInterrupt  # so the finally blocks stop every process this run started
+
+    signal.signal(signal.SIGTERM, _stop)
 
     import redis
 

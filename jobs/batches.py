@@ -49,7 +49,9 @@ def create_batch(
     windows: dict[str, int],
     metadata: Any = None,
     output_expires_after: dict[str, Any] | None = None,
+    api_key_id: str | None = None,
 ) -> Batch:
+    """A `validating` batch; `api_key_id` is the creating key, which its usage is recorded under."""
     if endpoint not in BATCH_ENDPOINTS:
         raise InvalidRequest(
             f"Invalid endpoint {endpoint!r}: backfill supports {', '.join(BATCH_ENDPOINTS)}.", param="endpoint"
@@ -79,6 +81,7 @@ def create_batch(
     now = utcnow()
     batch = Batch(
         team_id=team_id,
+        api_key_id=api_key_id,
         input_file_id=source.id,
         endpoint=endpoint,
         completion_window=completion_window,

@@ -7,6 +7,8 @@ row for its model that is no newer than that version and already effective at cr
 The ledger entry is written by `record_usage`, which `jobs.results.record_outcomes` calls inside
 the transaction that stores the request's result under a compare-and-set; the unique
 (batch_id, line) constraint and an insert that ignores duplicates make a second write a no-op.
+Each entry names the batch's creating key (usage by API key); its tokens and cost reach the
+Prometheus counters when that transaction commits.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from sqlalchemy.orm import Session
 
 from jobs.billing_models import Price, UsageLedgerEntry
 from jobs.errors import InvalidRequest
+from jobs.metrics import count_usage_on_commit
 from jobs.models import Batch, utcnow
-from jobs.replies import Outcome
+from jobs.replies import Outcome, Usage
 
 log = logging.getLogger("backfill.billing")
 
@@ -217,6 +220,7 @@ def record_usage(session: Session, batch: Batch, results: Sequence[tuple[int, Ou
     rates = rates_of(price) if price is not None else None
     now = utcnow()
     rows = []
+    billed: list[tuple[Usage, Cost]] = []
     for line, outcome in results:
         if not outcome.succeeded:
             continue
@@ -231,11 +235,13 @@ def record_usage(session: Session, batch: Batch, results: Sequence[tuple[int, Ou
             if rates is not None
             else Cost()
         )
+        billed.append((usage, cost))
         rows.append(
             {
                 "batch_id": batch.id,
                 "line": line,
                 "team_id": batch.team_id,
+                "api_key_id": batch.api_key_id,
                 "model": batch.model or "",
                 "prompt_tokens": usage.prompt_tokens,
                 "cached_tokens": usage.cached_tokens,
@@ -250,3 +256,12 @@ def record_usage(session: Session, batch: Batch, results: Sequence[tuple[int, Ou
             }
         )
     _insert_ignoring_duplicates(session, rows)
+    if billed:
+        count_usage_on_commit(
+            session,
+            batch,
+            input_tokens=sum(u.prompt_tokens for u, _ in billed),
+            cached_tokens=sum(u.cached_tokens for u, _ in billed),
+            output_tokens=sum(u.completion_tokens for u, _ in billed),
+            cost=sum(c.total_micros for _, c in billed) / MICROS_PER_UNIT,
+        )

@@ -48,6 +48,8 @@ class UsageLedgerEntry(Base):
     batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id"))
     line: Mapped[int] = mapped_column(Integer)
     team_id: Mapped[str] = mapped_column(ForeignKey("teams.id"))
+    # The batch's creating key (OpenAI's usage `group_by=api_key_id`); None before it was recorded.
+    api_key_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
     model: Mapped[str] = mapped_column(String(256))
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -139,6 +139,8 @@ class Batch(Base):
     __tablename__ = "batches"
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     team_id: Mapped[str] = mapped_column(ForeignKey("teams.id", ondelete="CASCADE"))
+    # The key that created the batch (no foreign key: usage by key outlives a deleted key).
+    api_key_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
     input_file_id: Mapped[str] = mapped_column(String(40))
     endpoint: Mapped[str] = mapped_column(String(64))
     model: Mapped[str | None] = mapped_column(String(256), nullable=True)
@@ -189,6 +191,13 @@ class BatchRequest(Base):
     length: Mapped[int] = mapped_column(Integer)
     prefix_hash: Mapped[str] = mapped_column(String(16), default="")
     token_estimate: Mapped[int] = mapped_column(Integer, default=0)
+    # The line's place in its batch's prefix tree (jobs/prefixes.py): release order, the line to
+    # finish first (an agent trace's previous turn), the KV tokens it shares with other lines,
+    # and the most KV its work holds (for an agent trace's turn, its session's largest context).
+    prefix_rank: Mapped[int] = mapped_column(Integer, default=0)
+    after_line: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    prefix_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    kv_tokens: Mapped[int] = mapped_column(Integer, default=0)
 
     state: Mapped[str] = mapped_column(String(16), default=RequestState.pending)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
@@ -212,6 +221,8 @@ class BatchRequest(Base):
         UniqueConstraint("batch_id", "custom_id", name="uq_batch_requests_custom_id"),
         # The dispatcher's pick: pending lines of a batch, grouped by prompt prefix.
         Index("ix_batch_requests_pick", "batch_id", "state", "prefix_hash", "line"),
+        # ...and in prefix-tree order.
+        Index("ix_batch_requests_rank", "batch_id", "state", "prefix_rank", "line"),
         Index("ix_batch_requests_state", "state", "claim_token"),
     )
 

@@ -28,6 +28,7 @@ from sqlalchemy import Exists, case, exists, func, select, update
 from sqlalchemy.orm import Session
 
 from jobs.models import Batch, BatchRequest, BatchStatus, File, RequestState, utcnow
+from jobs.webhooks import record_batch_event
 from storage.objects import ObjectStore
 
 UnitOfWork = Callable[[], AbstractContextManager[Session]]
@@ -213,6 +214,7 @@ def _complete(session: Session, plan: _Plan, written: _Written) -> BatchStatus |
     if won.rowcount == 0:  # type: ignore[attr-defined]
         # Another finalization got there first (its rows name the same files), or the batch is gone.
         return session.execute(select(Batch.status).where(Batch.id == plan.batch_id)).scalar()
+    record_batch_event(session, batch_id=plan.batch_id, status=terminal)  # the webhook outbox, same transaction
     expires = now + timedelta(seconds=plan.output_expires_after_s) if plan.output_expires_after_s else None
     for kind, size in written.sizes.items():
         session.merge(

@@ -34,6 +34,9 @@ class Outcome:
         return 200 <= self.status_code < 300
 
 
+INT32_MAX = 2**31 - 1
+
+
 def usage_from_body(body: Any) -> Usage:
     """Token usage of a chat/completions/embeddings (prompt_*) or responses (input_*) body."""
     usage = body.get("usage") if isinstance(body, dict) else None
@@ -45,7 +48,9 @@ def usage_from_body(body: Any) -> Usage:
             if not isinstance(obj, dict):
                 return 0
             obj = obj.get(key)
-        return obj if isinstance(obj, int) and obj >= 0 else 0
+        # Clamped to the int32 token columns: an absurd figure from the fleet must not make the
+        # result unrecordable.
+        return min(obj, INT32_MAX) if isinstance(obj, int) and obj >= 0 else 0
 
     return Usage(
         prompt_tokens=num(usage, "prompt_tokens") or num(usage, "input_tokens"),

@@ -34,9 +34,7 @@ def record_outcome(session: Session, *, batch_id: str, line: int, claim_token: s
     return record_outcomes(session, claim_token=claim_token, results=[(batch_id, line, outcome)]) == 1
 
 
-def record_outcomes(
-    session: Session, *, claim_token: str, results: Sequence[tuple[str, int, Outcome]]
-) -> int:
+def record_outcomes(session: Session, *, claim_token: str, results: Sequence[tuple[str, int, Outcome]]) -> int:
     """Store a group of final answers, each exactly once; returns how many this claim still owned.
 
     Lines are written in (batch, line) order and each batch's counters once per group, so
@@ -58,7 +56,7 @@ def record_outcomes(
                 state=RequestState.succeeded if outcome.succeeded else RequestState.failed,
                 result_id=new_id(),
                 status_code=outcome.status_code,
-                request_id=outcome.request_id,
+                request_id=outcome.request_id[:128] if outcome.request_id else None,  # the column's size
                 response_body=outcome.body.decode(),
                 prompt_tokens=u.prompt_tokens,
                 cached_tokens=u.cached_tokens,

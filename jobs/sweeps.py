@@ -1,19 +1,21 @@
 """Sweeps the scheduler loop runs over all batches: expiry, cancellation, reclaiming lines whose
-worker died, and finding the batches to finalize or to dispatch.
+worker died, finding the batches to finalize or to dispatch, and a census of a stalled batch.
 
 Each is idempotent and a compare-and-set on states, so two schedulers are merely wasteful.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from jobs.models import Batch, BatchRequest, BatchStatus, RequestState, utcnow
+from jobs.results import attempts_exceeded, record_outcomes
 
 
 def running_claim_tokens(session: Session) -> list[str]:
@@ -23,17 +25,104 @@ def running_claim_tokens(session: Session) -> list[str]:
     return [t for t in rows if t]
 
 
-def reclaim_orphans(session: Session, *, dead_tokens: Sequence[str]) -> int:
-    """Lines held by claims whose holder's heartbeat lapsed go back to pending."""
-    if not dead_tokens:
-        return 0
-    result = session.execute(
-        update(BatchRequest)
-        .where(BatchRequest.state == RequestState.running, BatchRequest.claim_token.in_(list(dead_tokens)))
-        .values(state=RequestState.pending, claim_token=None)
-        .execution_options(synchronize_session=False)
+def lines_held_by(session: Session, claim_token: str) -> dict[str, list[int]]:
+    """The running lines a claim holds, by batch."""
+    out: dict[str, list[int]] = {}
+    rows = session.execute(
+        select(BatchRequest.batch_id, BatchRequest.line).where(
+            BatchRequest.state == RequestState.running, BatchRequest.claim_token == claim_token
+        )
     )
-    return int(result.rowcount)  # type: ignore[attr-defined]
+    for batch_id, line in rows:
+        out.setdefault(batch_id, []).append(line)
+    return out
+
+
+@dataclass
+class Reclaimed:
+    """Lines taken back from lapsed holders, per batch."""
+
+    requeued: Counter[str] = field(default_factory=Counter)
+    failed: Counter[str] = field(default_factory=Counter)  # past the attempt cap: error file
+
+    @property
+    def total(self) -> int:
+        return sum(self.requeued.values()) + sum(self.failed.values())
+
+
+def reclaim_orphans(session: Session, *, dead_tokens: Sequence[str], max_attempts: int) -> Reclaimed:
+    """Lines held by claims whose holder's heartbeat lapsed: the try they were on counts as an
+    attempt (a line that crashes its worker must not come back forever); lines with attempts
+    left go back to pending, the others fail with `max_attempts_exceeded`."""
+    out = Reclaimed()
+    if not dead_tokens:
+        return out
+    held = and_(BatchRequest.state == RequestState.running, BatchRequest.claim_token.in_(list(dead_tokens)))
+    exhausted = session.execute(
+        select(BatchRequest.claim_token, BatchRequest.batch_id, BatchRequest.line, BatchRequest.attempts).where(
+            held, BatchRequest.attempts + 1 >= max_attempts
+        )
+    ).all()
+    for token, batch_id, line, attempts in exhausted:
+        assert token is not None  # (selected by its token)
+        why = "the worker running it stopped each time, or its result could not be recorded"
+        if record_outcomes(
+            session, claim_token=token, results=[(batch_id, line, attempts_exceeded(attempts + 1, why))]
+        ):
+            out.failed[batch_id] += 1
+    if exhausted:  # the try that ran out counts too
+        session.execute(
+            update(BatchRequest)
+            .where(
+                BatchRequest.state == RequestState.failed,
+                or_(*(and_(BatchRequest.batch_id == b, BatchRequest.line == n) for _, b, n, _ in exhausted)),
+            )
+            .values(attempts=BatchRequest.attempts + 1)
+            .execution_options(synchronize_session=False)
+        )
+    requeued = session.execute(
+        update(BatchRequest)
+        .where(held)
+        .values(state=RequestState.pending, claim_token=None, attempts=BatchRequest.attempts + 1)
+        .returning(BatchRequest.batch_id)
+        .execution_options(synchronize_session=False)
+    ).scalars()
+    out.requeued.update(requeued)
+    return out
+
+
+@dataclass(frozen=True)
+class LineCensus:
+    """Where the unfinished lines of one batch stand."""
+
+    ready: int  # pending, may be claimed now
+    backing_off: int  # pending, not before a retry time
+    running: int
+    holders: frozenset[str]  # claim tokens on its running lines
+
+
+def line_census(session: Session, batch_id: str, *, now: datetime | None = None) -> LineCensus:
+    now = now or utcnow()
+    due = or_(BatchRequest.not_before.is_(None), BatchRequest.not_before <= now)
+    pending = BatchRequest.state == RequestState.pending
+    running = BatchRequest.state == RequestState.running
+    of_batch = BatchRequest.batch_id == batch_id
+    ready, backing_off, n_running = session.execute(
+        select(
+            func.count().filter(pending, due),
+            func.count().filter(pending, ~due),
+            func.count().filter(running),
+        ).where(of_batch, or_(pending, running))
+    ).one()
+    holders = session.execute(
+        select(BatchRequest.claim_token).where(of_batch, running, BatchRequest.claim_token.is_not(None)).distinct()
+    ).scalars()
+    return LineCensus(
+        ready=int(ready),
+        backing_off=int(backing_off),
+        running=int(n_running),
+        holders=frozenset(h for h in holders if h),
+    )
 
 
 def sweep_cancelling(session: Session) -> list[str]:

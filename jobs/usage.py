@@ -1,4 +1,4 @@
-"""Reading the usage ledger back: totals per time bucket, optionally per team and model.
+"""Reading the usage ledger back: totals per time bucket, optionally per team, API key and model.
 
 Aggregation happens in the database (the ledger has a row per request); buckets are counted
 in whole seconds from `start`, which callers align to the bucket width.
@@ -24,6 +24,7 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 class UsageTotals:
     bucket_start: datetime
     team_id: str | None  # None unless grouped by team
+    api_key_id: str | None  # None unless grouped by key (or the entry predates recording the key)
     model: str | None  # None unless grouped by model
     requests: int
     prompt_tokens: int
@@ -61,10 +62,12 @@ def usage_totals(
     width_s: int,
     team_ids: Sequence[str] | None = None,
     models: Sequence[str] | None = None,
+    api_key_ids: Sequence[str] | None = None,
     by_team: bool = False,
+    by_api_key: bool = False,
     by_model: bool = False,
 ) -> list[UsageTotals]:
-    """Ledger sums in [start, end), one row per non-empty (bucket[, team][, model]).
+    """Ledger sums in [start, end), one row per non-empty (bucket[, team][, key][, model]).
 
     `team_ids` None means every team (an admin); an empty list means none.
     """
@@ -77,6 +80,8 @@ def usage_totals(
     keys: list[ColumnElement[Any]] = [bucket]
     if by_team:
         keys.append(UsageLedgerEntry.team_id.expression)
+    if by_api_key:
+        keys.append(UsageLedgerEntry.api_key_id.expression)
     if by_model:
         keys.append(UsageLedgerEntry.model.expression)
     sums = [
@@ -94,18 +99,23 @@ def usage_totals(
         query = query.where(UsageLedgerEntry.team_id.in_(list(team_ids)))
     if models:
         query = query.where(UsageLedgerEntry.model.in_(list(models)))
+    if api_key_ids:
+        query = query.where(UsageLedgerEntry.api_key_id.in_(list(api_key_ids)))
     query = query.group_by(*keys).order_by(*keys)
     out = []
     for row in session.execute(query).all():
         values = list(row)
         index = int(values.pop(0))
         team_id = str(values.pop(0)) if by_team else None
+        key = values.pop(0) if by_api_key else None
+        api_key_id = str(key) if key is not None else None
         model = str(values.pop(0)) if by_model else None
         numbers = [int(v) for v in values]
         out.append(
             UsageTotals(
                 start + timedelta(seconds=index * width_s),
                 team_id,
+                api_key_id,
                 model,
                 *numbers,
             )

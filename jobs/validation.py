@@ -1,7 +1,8 @@
 """Validation of a batch input file: every line checked, every problem reported with its line.
 
-Valid batches get a compact request index (line, byte offset and length, custom_id, prompt
-prefix fingerprint, token estimate) instead of one queue message per line. Nothing a user can
+Valid batches get a compact request index (line, byte offset and length, custom_id, token
+estimate, and the prompt's place in the batch's prefix tree: see `jobs.prefixes`) instead of
+one queue message per line. Nothing a user can
 write makes validation raise; an unexpected failure ends the batch through
 `fail_batch_validation` instead of retrying it until it expires.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 from array import array
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
-from hashlib import blake2b
 from itertools import islice
 from typing import Any
 
@@ -22,11 +22,19 @@ from sqlalchemy.orm import Session
 
 from jobs.catalog import FleetUnavailable
 from jobs.models import Batch, BatchRequest, BatchStatus, RequestState, utcnow
+from jobs.prefixes import (
+    BLOCK_TOKENS,
+    FINGERPRINT_BYTES,
+    PrefixPlan,
+    PromptBlocks,
+    TextBlocks,
+    node_id,
+    plan_prefix_order,
+)
 from jobs.quotas import quota_errors
 from jobs.validation_lines import (
     INT32_MAX,
     INT64_MAX,
-    PREFIX_CHARS,
     check_line,
     iter_lines,
     iter_lines_bounded,
@@ -34,6 +42,7 @@ from jobs.validation_lines import (
     prompt_text,
     quote,
 )
+from jobs.webhooks import record_batch_event
 
 # iter_lines, max_output_tokens and prompt_text are also read by the CLI's local estimate.
 __all__ = [
@@ -64,32 +73,69 @@ class Limits:
 
 
 class RequestIndex(Collection[dict[str, Any]]):
-    """The index rows of a valid batch, kept in arrays: about 100 bytes a line instead of a
-    dict's 600, so a million-line batch fits a worker's memory."""
+    """The index rows of a valid batch, kept in arrays: about 100 bytes a line plus its prompt
+    path (4 bytes a block) instead of a dict's 600, so a million-line batch fits a worker's memory.
 
-    def __init__(self) -> None:
-        self._numbers = array("q")  # line, offset, length, token estimate of each request
-        self._prefixes = bytearray()  # 8 bytes of prompt-prefix fingerprint each
+    The release order (`jobs.prefixes.plan_prefix_order`) is derived once all lines are in.
+    """
+
+    def __init__(self, block_tokens: int = BLOCK_TOKENS) -> None:
+        self.block_tokens = block_tokens
+        # line, offset, length, token estimate, KV tokens and completions (n) of each request
+        self._numbers = array("q")
+        self._paths = bytearray()  # the prompt paths, one after another
+        self._path_ends = array("q")
         self._custom_ids: list[str] = []
+        self._plan: PrefixPlan | None = None
 
-    def add(self, line: int, offset: int, length: int, custom_id: str, prefix: bytes, token_estimate: int) -> None:
-        self._numbers.extend((line, offset, length, token_estimate))
-        self._prefixes += prefix
+    def add(
+        self,
+        line: int,
+        offset: int,
+        length: int,
+        custom_id: str,
+        path: bytes,
+        token_estimate: int,
+        kv_tokens: int,
+        samples: int = 1,
+    ) -> None:
+        self._numbers.extend((line, offset, length, token_estimate, min(kv_tokens, INT32_MAX), samples))
+        self._paths += path
+        self._path_ends.append(len(self._paths))
         self._custom_ids.append(custom_id)
+        self._plan = None
 
     def __len__(self) -> int:
         return len(self._custom_ids)
 
+    def _path(self, i: int) -> bytes:
+        return bytes(self._paths[self._path_ends[i - 1] if i else 0 : self._path_ends[i]])
+
+    def plan(self) -> PrefixPlan:
+        if self._plan is None:
+            paths = [self._path(i) for i in range(len(self))]
+            self._plan = plan_prefix_order(paths, self._numbers[0::6], self._numbers[4::6])
+        return self._plan
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        n, p = self._numbers, self._prefixes
+        n, plan, bt = self._numbers, self.plan(), self.block_tokens
         for i, custom_id in enumerate(self._custom_ids):
+            path, shared = self._path(i), plan.shared_blocks[i]
+            if n[6 * i + 5] > 1:  # n completions share their whole prompt
+                shared = max(shared, len(path) // FINGERPRINT_BYTES)
+            prefix_tokens = min(shared * bt, INT32_MAX)
             yield {
-                "line": n[4 * i],
+                "line": n[6 * i],
                 "custom_id": custom_id,
-                "offset": n[4 * i + 1],
-                "length": n[4 * i + 2],
-                "prefix_hash": p[8 * i : 8 * i + 8].hex(),
-                "token_estimate": n[4 * i + 3],
+                "offset": n[6 * i + 1],
+                "length": n[6 * i + 2],
+                # The node shared with other lines; a line sharing nothing is its own group.
+                "prefix_hash": node_id(path, shared or len(path) // FINGERPRINT_BYTES),
+                "prefix_tokens": prefix_tokens,
+                "kv_tokens": max(plan.session_kv[i], prefix_tokens),
+                "prefix_rank": plan.rank[i],
+                "after_line": plan.after[i] or None,
+                "token_estimate": n[6 * i + 3],
             }
 
     def __contains__(self, item: object) -> bool:
@@ -116,8 +162,13 @@ def validate_lines(
     endpoint: str,
     served_models: set[str] | None,
     limits: Limits,
+    blocks: PromptBlocks | None = None,
 ) -> ValidationResult:
-    """Check every line. Never raises for anything in the file; errors stay within max_errors."""
+    """Check every line. Never raises for anything in the file; errors stay within max_errors.
+
+    `blocks` fingerprints each prompt along its token stream (the model's tokenizer where
+    backfill has it); by default a stable text approximation."""
+    blocks = blocks or TextBlocks()
     result = ValidationResult()
     index = RequestIndex()
     result.requests = index
@@ -151,8 +202,17 @@ def validate_lines(
             continue
         models.setdefault(request.model, number)
         result.token_estimate += request.token_estimate
-        prefix = blake2b(request.prompt[:PREFIX_CHARS].encode(), digest_size=8).digest()
-        index.add(number, offset, length, request.custom_id, prefix, request.token_estimate)
+        path, prompt_tokens = blocks.path(endpoint, request.body, request.prompt)
+        index.add(
+            number,
+            offset,
+            length,
+            request.custom_id,
+            path,
+            request.token_estimate,
+            prompt_tokens + request.output_tokens,
+            n if type(n := request.body.get("n")) is int else 1,
+        )
     # Cannot overflow with the per-request bound, but the column is what must hold it.
     result.token_estimate = min(result.token_estimate, INT64_MAX)
     if count == 0:
@@ -222,6 +282,7 @@ def apply_validation(session: Session, *, batch_id: str, result: ValidationResul
             .where(Batch.id == batch_id, Batch.status.in_([BatchStatus.validating, BatchStatus.cancelling]))
             .values(status=BatchStatus.failed, failed_at=now, errors=result.errors, model=result.model)
         )
+        record_batch_event(session, batch_id=batch_id, status=BatchStatus.failed)  # the webhook outbox
         return BatchStatus.failed
     session.execute(delete(BatchRequest).where(BatchRequest.batch_id == batch_id))
     # Rows are built a slice at a time: the whole index as dicts would be most of a GB.
@@ -253,6 +314,7 @@ def fail_batch_validation(session: Session, *, batch_id: str, message: str) -> s
         .execution_options(synchronize_session=False)
     )
     if moved.rowcount:  # type: ignore[attr-defined]
+        record_batch_event(session, batch_id=batch_id, status=BatchStatus.failed)  # the webhook outbox
         return BatchStatus.failed
     status = session.execute(select(Batch.status).where(Batch.id == batch_id)).scalar_one_or_none()
     return status if status is not None else "missing"

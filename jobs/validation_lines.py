@@ -22,7 +22,6 @@ INT64_MAX = 2**63 - 1
 CUSTOM_ID_MAX_CHARS = 512
 MODEL_MAX_CHARS = 256
 QUOTE_CHARS = 100
-PREFIX_CHARS = 1024
 DEFAULT_MAX_OUTPUT_ESTIMATE = 1024
 # orjson re-encodes at most this many levels, and the dispatcher re-encodes every body it sends.
 MAX_BODY_DEPTH = 254
@@ -109,6 +108,8 @@ class CheckedRequest:
     model: str
     prompt: str
     token_estimate: int
+    body: dict[str, Any]  # for prompt fingerprints that need the messages, not only their text
+    output_tokens: int  # the most it may generate, all n completions together
 
 
 def check_line(line: bytes, *, endpoint: str, seen_ids: set[str], fail: ErrorSink) -> CheckedRequest | None:
@@ -140,7 +141,7 @@ def check_line(line: bytes, *, endpoint: str, seen_ids: set[str], fail: ErrorSin
             next((f"body.{k}" for k in OUTPUT_LIMIT_KEYS if body.get(k) is not None), None),
         )
         return None
-    return CheckedRequest(obj["custom_id"], body["model"], prompt, estimate)
+    return CheckedRequest(obj["custom_id"], body["model"], prompt, estimate, body, output)
 
 
 def _check_envelope(obj: dict[str, Any], *, endpoint: str, seen_ids: set[str], fail: ErrorSink) -> bool:

@@ -127,12 +127,14 @@ class Admission:
         except ValueError:
             return None
 
-    async def acquire(self, n: int, *, wait_s: float) -> list[str]:
-        """Up to n leases; waits (polling) up to wait_s for at least one."""
+    async def acquire(self, n: int, *, wait_s: float, cancel: Callable[[], bool] | None = None) -> list[str]:
+        """Up to n leases; waits (polling) up to wait_s for at least one, or until `cancel()`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         delay = 0.01
         while True:
+            if cancel is not None and cancel():
+                return []
             limit = await asyncio.to_thread(self.limit)
             granted = await asyncio.to_thread(self.leases.acquire, POOL, limit=limit, n=n, ttl_s=self.ttl_s)
             if granted or loop.time() >= deadline:

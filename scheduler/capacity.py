@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from scheduler.admission import LIMIT_KEY, POOL, RATE_KEY, SHED_KEY, ObservationLog
 from scheduler.leases import LeaseStore
+from scheduler.metrics import record_decision
 from scheduler.telemetry import FleetSnapshot, FleetTelemetry, KvModel
 
 log = logging.getLogger("backfill.capacity")
@@ -310,6 +311,7 @@ class CapacityLoop:
         if decision.shed_to is not None:
             self.leases.publish(SHED_KEY, str(decision.shed_to), ttl_s=max(0.5, 2 * period))
         self.leases.publish(RATE_KEY, f"{self._rate:.1f}", ttl_s=60.0)
+        record_decision(decision)
         if self.on_decision is not None:
             self.on_decision(time.time(), decision)
         return decision
@@ -334,7 +336,22 @@ class CapacityLoop:
             except Exception:
                 log.exception("capacity step failed")
             stop.wait(max(0.0, period - (time.monotonic() - started)))
+        self.withdraw()
         self.telemetry.close()
+
+    def withdraw(self) -> None:
+        """Take back the published limit and shed target at once (rather than let them lapse a few
+        periods later): with no controller, admission falls back to the floor (fail closed)."""
+        try:
+            self.leases.withdraw(LIMIT_KEY)
+            self.leases.withdraw(SHED_KEY)
+            log.info("capacity controller stopped: limit withdrawn, admission falls back to the floor")
+        except Exception:
+            log.warning(
+                "could not withdraw the published limit; it lapses within %.1f s",
+                4 * self.controller.cfg.period_s,
+                exc_info=True,
+            )
 
 
 def shed_count(total: int, target: int, mine: int) -> int:

@@ -3,31 +3,38 @@
 One asyncio loop per drain task keeps many requests in flight without one broker message
 per request. Results are committed in small groups; a claim whose holder dies is reclaimed
 by the scheduler after its heartbeat lapses, so nothing is lost and nothing is written twice.
+
+Faults a drain rides out rather than dies of:
+- SIGTERM (`shutdown` set): it stops claiming at once, lets in-flight requests finish for the
+  grace period, then aborts the rest and gives their lines back without spending an attempt.
+- The database unreachable: the replies in hand wait in the recorder's bounded buffer while it
+  retries with backoff (up to `db_patience_s`); meanwhile nothing new is claimed or sent.
+- Redis unreachable or restarted empty: no new leases (so nothing new is sent), in-flight
+  requests finish and are recorded; the keepalive re-asserts the heartbeat and leases.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
+import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import orjson
-from sqlalchemy.exc import OperationalError
+from redis.exceptions import RedisError
 
-from jobs.claims import ClaimedRequest, claim_requests, release_for_retry, requeue_unstarted
-from jobs.models import utcnow
-from jobs.replies import Outcome, normalise_body, usage_from_body
-from jobs.results import record_outcomes
+from jobs.claims import ClaimedRequest, claim_requests
+from jobs.replies import normalise_body, usage_from_body
 from scheduler.admission import POOL, Admission, Observation
 from scheduler.capacity import shed_count
 from scheduler.fleet import FleetClient, FleetReply
 from scheduler.leases import LeaseStore
+from scheduler.metrics import record_fleet_reply
+from scheduler.n_expansion import post_request
+from scheduler.recorder import Done, Recorder, transient_db_error
 from storage.db import unit_of_work
 from storage.objects import ObjectStore
 
@@ -36,13 +43,6 @@ log = logging.getLogger("backfill.dispatch")
 CLAIM_GROUP = 32
 DRAIN_POOL = "drains"
 MAX_SPAN_READ = 8 * 1024 * 1024
-BACKOFF_BASE_S, BACKOFF_CAP_S = 1.0, 60.0
-
-
-@dataclass
-class _Done:
-    request: ClaimedRequest
-    reply: FleetReply | None  # None: aborted to give capacity back; requeued, no attempt spent
 
 
 # Routing hints backfill may add to a body (nothing else of the client's body is touched).
@@ -69,6 +69,11 @@ class Dispatcher:
         planner: Callable[[int], list[tuple[str, int]]],
         max_attempts: int,
         hint_mode: str = "nvext",
+        shutdown: threading.Event | None = None,
+        grace_s: float = 20.0,
+        db_patience_s: float = 120.0,
+        kv_budget_tokens: int | None = None,
+        expand_n: bool = False,
     ) -> None:
         self.store = store
         self.leases = leases
@@ -77,65 +82,177 @@ class Dispatcher:
         self.planner = planner
         self.max_attempts = max_attempts
         self.hint_mode = hint_mode
+        # Prefix-aware release (jobs.claims): the fleet's KV tokens open to batch work, and
+        # whether n > 1 goes as n requests (a fleet that ignores n).
+        self.kv_budget_tokens = kv_budget_tokens
+        self.expand_n = expand_n
+        self.shutdown = shutdown or threading.Event()
+        self.grace_s = grace_s
+        self.db_patience_s = db_patience_s
         self.holder = f"drain-{uuid.uuid4().hex[:12]}"
         self._held: dict[str, str] = {}  # lease id -> its pool, for renewal
-        self._results: asyncio.Queue[_Done | None] = asyncio.Queue()
+        self.recorder = Recorder(
+            holder=self.holder, max_attempts=max_attempts, patience_s=db_patience_s, finish_by=self._finish_by
+        )
         self._inflight: set[asyncio.Task[None]] = set()
         self._calls: dict[asyncio.Task[FleetReply], float] = {}  # in-flight fleet calls, by start time
+        self._stop_seen_at: float | None = None
+        self._leases_down_since: float | None = None
+        self._claim_in_doubt = False  # a claim failed on the connection: it may have committed
+        self._abort_all = False
         self.sent = 0
         self.aborted = 0
+
+    # -- shutdown ---------------------------------------------------------------------------
+
+    def _stopping(self) -> bool:
+        if self._stop_seen_at is None and self.shutdown.is_set():
+            self._stop_seen_at = time.monotonic()
+            log.info(
+                "drain %s: shutting down: claiming stopped; %d requests in flight get %.0f s to finish",
+                self.holder,
+                len(self._inflight),
+                self.grace_s,
+            )
+        return self._stop_seen_at is not None
+
+    def _finish_by(self) -> float | None:
+        """When a stopping drain must be done (recorded what it has and given back the rest)."""
+        self._stopping()
+        return None if self._stop_seen_at is None else self._stop_seen_at + self.grace_s
+
+    # -- the loop -----------------------------------------------------------------------------
 
     async def run(self, slice_s: float, *, max_drains: int) -> int:
         """Work for about `slice_s` seconds (or until no work is left); returns requests sent.
 
         A drain first takes one of `max_drains` slots, so surplus nudges end at once."""
-        slot = await asyncio.to_thread(
-            self.leases.acquire, DRAIN_POOL, limit=max_drains, n=1, ttl_s=self.admission.ttl_s
-        )
+        if self._stopping():
+            return 0
+        try:
+            slot = await asyncio.to_thread(
+                self.leases.acquire, DRAIN_POOL, limit=max_drains, n=1, ttl_s=self.admission.ttl_s
+            )
+            if slot:
+                await asyncio.to_thread(self.leases.heartbeat, self.holder, ttl_s=self.admission.ttl_s)
+        except RedisError:
+            log.warning("lease store unreachable: drain not started", exc_info=True)
+            return 0
         if not slot:
             return 0
         self._held[slot[0]] = DRAIN_POOL
-        await asyncio.to_thread(self.leases.heartbeat, self.holder, ttl_s=self.admission.ttl_s)
         keepalive = asyncio.create_task(self._keepalive())
-        writer = asyncio.create_task(self._write_results())
+        writer = asyncio.create_task(self.recorder.run())
         watcher = asyncio.create_task(self._watch_shed())
         try:
             await self._release_loop(time.monotonic() + slice_s)
-            if self._inflight:
-                await asyncio.gather(*self._inflight, return_exceptions=True)
+            await self._finish_inflight()
         finally:
             watcher.cancel()
-            await self._results.put(None)
+            await self.recorder.queue.put(None)
             await writer
+            await self.recorder.give_back_unsent(in_doubt=self._claim_in_doubt)
             keepalive.cancel()
-            await asyncio.to_thread(self.admission.flush_observations, 0.0)
-            await asyncio.to_thread(self.leases.release, DRAIN_POOL, slot)
+            try:
+                await asyncio.to_thread(self.admission.flush_observations, 0.0)
+                await asyncio.to_thread(self.leases.release, DRAIN_POOL, slot)
+            except RedisError:
+                log.warning("could not release the drain slot; it lapses by itself", exc_info=True)
+        if self._stop_seen_at is not None:
+            log.info(
+                "drain %s: stopped %.1f s after the shutdown signal (%d aborted and requeued)",
+                self.holder,
+                time.monotonic() - self._stop_seen_at,
+                self.aborted,
+            )
         return self.sent
 
     async def _release_loop(self, deadline: float) -> None:
         idle_rounds = 0
-        while time.monotonic() < deadline:
-            leases = await self.admission.acquire(CLAIM_GROUP, wait_s=0.5)
+        while time.monotonic() < deadline and not self._stopping():
+            if not self.recorder.db_ok.is_set():
+                await self.recorder.wait_for_db(until=lambda: time.monotonic() >= deadline or self._stopping())
+                continue
+            try:
+                leases = await self.admission.acquire(CLAIM_GROUP, wait_s=0.5, cancel=self._stopping)
+                self._lease_store_up()
+            except RedisError:
+                self._lease_store_down("taking leases")
+                await asyncio.sleep(0.5)
+                continue
             if not leases:
                 continue
-            claimed = await asyncio.to_thread(self._claim, len(leases))
+            try:
+                claimed = await asyncio.to_thread(self._claim, len(leases))
+            except RedisError:  # the planner reads the published rate
+                await self._give_back(leases)
+                self._lease_store_down("planning")
+                await asyncio.sleep(0.5)
+                continue
+            except Exception as exc:
+                await self._give_back(leases)
+                if not transient_db_error(exc):
+                    raise
+                self._claim_in_doubt = True
+                self.recorder.unreachable(exc)
+                continue
             if not claimed:
-                await self.admission.release(leases)
+                await self._give_back(leases)
                 idle_rounds += 1
                 if idle_rounds >= 3 and not self._inflight:
                     return  # nothing to do: the scheduler starts another drain when work arrives
-                await asyncio.sleep(min(0.1 * idle_rounds, 1.0))
+                # With requests in flight, one finishing may free lines that wait for it (an
+                # agent trace's next turn, KV budget): look again soon.
+                await asyncio.sleep(min(0.1 * idle_rounds, 0.1 if self._inflight else 1.0))
                 continue
             idle_rounds = 0
-            spare = leases[len(claimed) :]
-            if spare:
-                await self.admission.release(spare)
-            bodies = await asyncio.to_thread(self._load_bodies, claimed)
+            await self._give_back(leases[len(claimed) :])
+            try:
+                bodies = await asyncio.to_thread(self._load_bodies, claimed)
+            except Exception:
+                log.exception("reading %d claimed lines from the object store failed; requeued", len(claimed))
+                await self._give_back(leases[: len(claimed)])
+                for request in claimed:
+                    await self.recorder.put(Done(request, None))
+                await asyncio.sleep(1.0)
+                continue
             for request, lease in zip(claimed, leases, strict=False):
                 self._held[lease] = POOL
-                task = asyncio.create_task(self._send(request, lease, bodies[request.line]))
+                task = asyncio.create_task(self._send(request, lease, bodies[(request.batch_id, request.line)]))
                 self._inflight.add(task)
                 task.add_done_callback(self._inflight.discard)
+
+    async def _finish_inflight(self) -> None:
+        """Wait for the requests in flight; once stopping, only until shortly before the grace
+        ends, then abort the rest (their lines go back to pending, no attempt spent)."""
+        while self._inflight:
+            finish_by = self._finish_by() if self._stopping() else None
+            if finish_by is not None and time.monotonic() >= finish_by - min(2.0, self.grace_s / 4):
+                self._abort_all = True
+                for call in list(self._calls):
+                    call.cancel()
+                await asyncio.gather(*self._inflight, return_exceptions=True)
+                return
+            await asyncio.wait(self._inflight, timeout=0.1)
+
+    async def _give_back(self, leases: list[str]) -> None:
+        if not leases:
+            return
+        try:
+            await self.admission.release(leases)
+        except RedisError:
+            self._lease_store_down("releasing leases; they lapse by themselves")
+
+    def _lease_store_down(self, what: str) -> None:
+        """Log the first failure of an outage only: the lease store is used many times a second."""
+        if self._leases_down_since is None:
+            self._leases_down_since = time.monotonic()
+            log.warning("lease store unreachable (%s): nothing new is sent until it is back", what, exc_info=True)
+
+    def _lease_store_up(self) -> None:
+        if self._leases_down_since is not None:
+            log.info("lease store reachable again after %.1f s", time.monotonic() - self._leases_down_since)
+            self._leases_down_since = None
 
     async def _watch_shed(self, every_s: float = 0.1) -> None:
         """Abort this drain's share of in-flight requests above the controller's shed target,
@@ -155,6 +272,8 @@ class Dispatcher:
                         self._calls.pop(call, None)  # counted once, even if the abort is slow
                         call.cancel()
                     log.info("shed %d in-flight requests (fleet %d > target %d)", k, total, target)
+            except RedisError:
+                self._lease_store_down("shed check")
             except Exception:
                 log.warning("shed check failed", exc_info=True)
 
@@ -167,12 +286,19 @@ class Dispatcher:
             if want <= 0:
                 break
             with unit_of_work() as session:
-                out += claim_requests(session, batch_id=batch_id, limit=want, claim_token=self.holder)
+                out += claim_requests(
+                    session,
+                    batch_id=batch_id,
+                    limit=want,
+                    claim_token=self.holder,
+                    kv_budget_tokens=self.kv_budget_tokens,
+                )
         return out
 
-    def _load_bodies(self, claimed: list[ClaimedRequest]) -> dict[int, bytes]:
-        """Read claimed lines from the input file, one ranged read per contiguous stretch."""
-        out: dict[int, bytes] = {}
+    def _load_bodies(self, claimed: list[ClaimedRequest]) -> dict[tuple[str, int], bytes]:
+        """Read claimed lines from their input files, one ranged read per contiguous stretch.
+        Keyed by (batch, line): a claim group may span batches, whose line numbers repeat."""
+        out: dict[tuple[str, int], bytes] = {}
         by_key: dict[str, list[ClaimedRequest]] = {}
         for r in claimed:
             by_key.setdefault(r.input_key, []).append(r)
@@ -183,39 +309,33 @@ class Dispatcher:
             if end - start <= MAX_SPAN_READ:
                 blob = self.store.read_range(key, start, end - start)
                 for r in reqs:
-                    out[r.line] = blob[r.offset - start : r.offset - start + r.length]
+                    out[(r.batch_id, r.line)] = blob[r.offset - start : r.offset - start + r.length]
             else:
                 for r in reqs:
-                    out[r.line] = self.store.read_range(key, r.offset, r.length)
+                    out[(r.batch_id, r.line)] = self.store.read_range(key, r.offset, r.length)
         return out
 
     async def _send(self, request: ClaimedRequest, lease: str, raw: bytes) -> None:
-        reply: FleetReply | None
+        reply: FleetReply | None = None
         call: asyncio.Task[FleetReply] | None = None
         try:
-            body = orjson.loads(raw)["body"]
-            # Only the fleet call itself can be shed; recording the outcome always runs.
-            call = asyncio.create_task(self.fleet.post(request.endpoint, add_routing_hints(body, self.hint_mode)))
-            self._calls[call] = time.monotonic()
-            reply = await call
-            self.sent += 1
-            usage = (
-                usage_from_body(normalise_body(reply.body)[1]) if reply.status_code == 200 else None
-            )
-            self.admission.observe(
-                Observation(
-                    reply.status_code,
-                    reply.latency_s,
-                    reply.transient,
-                    prompt_tokens=usage.prompt_tokens if usage else 0,
-                    completion_tokens=usage.completion_tokens if usage else 0,
-                )
-            )
+            if self._abort_all:  # past the shutdown grace before it was sent: requeued unsent
+                self.aborted += 1
+            else:
+                body = orjson.loads(raw)["body"]
+                # Only the fleet call itself can be shed; recording the outcome always runs.
+                body = add_routing_hints(body, self.hint_mode)
+                call = asyncio.create_task(post_request(self.fleet, request.endpoint, body, expand_n=self.expand_n))
+                self._calls[call] = time.monotonic()
+                reply = await call
+                self.sent += 1
+                self._observe(reply)
+                record_fleet_reply(reply)
         except asyncio.CancelledError:
             if call is None or not call.cancelled():
                 raise
-            # Shed by the capacity controller: closing the connection makes the fleet drop the
-            # request and free its KV cache; the line goes back to pending.
+            # Shed by the capacity controller, or past the shutdown grace: closing the connection
+            # makes the fleet drop the request and free its KV cache; the line goes back to pending.
             reply = None
             self.aborted += 1
         except Exception as exc:
@@ -225,76 +345,33 @@ class Dispatcher:
             if call is not None:
                 self._calls.pop(call, None)
             self._held.pop(lease, None)
-            await self.admission.release([lease])
-        await self._results.put(_Done(request, reply))
+            await self._give_back([lease])
+        await self.recorder.put(Done(request, reply))
 
-    async def _write_results(self) -> None:
-        """Commit results in small groups: one transaction per group, not per line."""
-        while True:
-            item = await self._results.get()
-            group = [item] if item is not None else []
-            stop = item is None
-            while not stop and not self._results.empty() and len(group) < 200:
-                nxt = self._results.get_nowait()
-                if nxt is None:
-                    stop = True
-                else:
-                    group.append(nxt)
-            if group:
-                await asyncio.to_thread(self._commit_with_retry, group)
-            if stop:
-                return
-
-    def _commit_with_retry(self, group: list[_Done]) -> None:
-        # Sorted, so concurrent drains lock batch rows in one order; a deadlock with a sweep
-        # (expiry, cancellation) aborts one side, and the whole group is simply tried again.
-        group.sort(key=lambda d: (d.request.batch_id, d.request.line))
-        for attempt in range(5):
-            try:
-                self._commit(group)
-                return
-            except OperationalError:
-                if attempt == 4:
-                    raise
-                log.warning("result commit conflicted; retrying", exc_info=True)
-                time.sleep(0.05 * (attempt + 1))
-
-    def _commit(self, group: list[_Done]) -> None:
-        finished: list[tuple[str, int, Outcome]] = []
-        with unit_of_work() as session:
-            for done in group:
-                r, reply = done.request, done.reply
-                if reply is None:
-                    requeue_unstarted(session, batch_id=r.batch_id, lines=[r.line], claim_token=self.holder)
-                    continue
-                if reply.transient and r.attempts + 1 < self.max_attempts:
-                    delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**r.attempts) * random.uniform(0.5, 1.0)
-                    release_for_retry(
-                        session,
-                        batch_id=r.batch_id,
-                        line=r.line,
-                        claim_token=self.holder,
-                        not_before=utcnow() + timedelta(seconds=delay),
-                    )
-                    continue
-                body, parsed = normalise_body(reply.body)
-                outcome = Outcome(
-                    status_code=reply.status_code,
-                    body=body,
-                    request_id=reply.request_id or (parsed.get("id") if isinstance(parsed, dict) else None),
-                    usage=usage_from_body(parsed),
-                )
-                finished.append((r.batch_id, r.line, outcome))
-            record_outcomes(session, claim_token=self.holder, results=finished)
+    def _observe(self, reply: FleetReply) -> None:
+        usage = usage_from_body(normalise_body(reply.body)[1]) if reply.status_code == 200 else None
+        self.admission.observe(
+            Observation(
+                reply.status_code,
+                reply.latency_s,
+                reply.transient,
+                prompt_tokens=usage.prompt_tokens if usage else 0,
+                completion_tokens=usage.completion_tokens if usage else 0,
+            )
+        )
 
     async def _keepalive(self) -> None:
         period = self.admission.ttl_s / 3
         while True:
             await asyncio.sleep(period)
             try:
+                # Both are upserts while the store recovers from a loss of its data: a Redis that
+                # restarted empty gets this drain's heartbeat and leases back within a period.
                 await asyncio.to_thread(self.leases.heartbeat, self.holder, ttl_s=self.admission.ttl_s)
                 for pool in (POOL, DRAIN_POOL):
                     ids = [lease for lease, p in self._held.items() if p == pool]
                     await asyncio.to_thread(self.leases.renew, pool, ids, ttl_s=self.admission.ttl_s)
+            except RedisError:
+                self._lease_store_down("heartbeat")
             except Exception:
                 log.warning("heartbeat failed", exc_info=True)

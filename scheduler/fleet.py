@@ -3,8 +3,9 @@ base URLs, `BACKFILL_FLEET_URLS`), with a circuit breaker per deployment (`sched
 
 Each request goes to the next deployment in turn whose breaker lets it through. A request that
 could not even connect is tried on the next deployment at once: it never reached the fleet, so
-nothing runs twice. While every breaker is open a call waits (at most `open_wait_s`) for one to
-let it through: the drain backs off instead of spending attempts on a fleet known to be down.
+nothing runs twice. While no deployment will take it (circuits open, connections refused) a call
+waits (at most `open_wait_s`) for a breaker to let it through: the drain backs off instead of
+spending attempts on a fleet known to be down.
 """
 
 from __future__ import annotations
@@ -105,11 +106,10 @@ class FleetClient:
         while True:
             picked, wait_s = await self._pick(skip=refused)
             if picked is None:
-                if last is not None:
-                    return last  # every deployment that would take it refused the connection
                 left = give_up_at - time.monotonic()
-                if left <= 0:
-                    return self._synthetic(
+                if len(refused) == len(self._urls) or left <= 0:
+                    # Nothing reached the fleet: every deployment refused it or kept its circuit open.
+                    return last or self._synthetic(
                         503, "every fleet deployment's circuit is open", started, deployment=None, sent=False
                     )
                 # Jittered, so the waiting calls do not all ask again at the same instant.

@@ -122,12 +122,14 @@ class RedisLeaseStore:
         ids = [uuid.uuid4().hex for _ in range(max(n, 0))]
         if not ids:
             return []
-        args = [ttl_s, self.settle_s if settle else 0.0, limit, n, *ids]
+        args: list[str | float] = [ttl_s, self.settle_s if settle else 0.0, limit, n, *ids]
         return list(self._acquire(keys=self._keys(pool), args=args))
 
     def renew(self, pool: str, lease_ids: list[str], *, ttl_s: float) -> None:
         if lease_ids and self._renew(keys=self._keys(pool), args=[ttl_s, self.settle_s, *lease_ids]):
-            log.warning("lease store recovering from a loss of its data: re-asserted %d %s leases", len(lease_ids), pool)
+            log.warning(
+                "lease store recovering from a loss of its data: re-asserted %d %s leases", len(lease_ids), pool
+            )
 
     def release(self, pool: str, lease_ids: list[str]) -> None:
         if lease_ids:

@@ -2,12 +2,26 @@
 
 Registered on the one app in `storage.broker` under its `TaskName`s; a worker imports this
 module before it starts (`backfill worker`), so the bodies are known when messages arrive.
+
+Shutdown: Celery's main process answers SIGTERM with a warm shutdown (it stops taking
+messages and waits for the running tasks). A drain would run out its slice and wait for every
+request in flight, so it is told: a pool child that gets SIGTERM (sent to the whole process
+group) or STOP_SIGNAL (passed on by the main process when only it was signalled) sets
+`SHUTDOWN`, and the drain running there stops claiming at once and ends within `drain_grace_s`.
+An idle child exits on SIGTERM, as before; a second SIGTERM ends a busy child at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
+import threading
+from types import FrameType
+
+from billiard.process import active_children
+from celery.signals import task_postrun, task_prerun, worker_process_init, worker_shutting_down
 
 from jobs import output, validation
 from jobs.catalog import get_catalog
@@ -16,6 +30,7 @@ from jobs.models import Batch, BatchStatus
 from scheduler.dispatcher import Dispatcher
 from scheduler.fleet import FleetClient
 from scheduler.leases import exclusive_lease, get_lease_store
+from scheduler.metrics import timed
 from scheduler.runtime import get_admission, make_planner
 from storage.broker import TaskName, celery_app
 from storage.db import unit_of_work
@@ -27,8 +42,61 @@ log = logging.getLogger("backfill.tasks")
 
 VALIDATION_LEASE_TTL_S = 30.0
 
+# Set in a pool child asked to stop while it runs a task; a drain polls it (`Dispatcher`).
+SHUTDOWN = threading.Event()
+_running = {"tasks": 0}
+
+
+@task_prerun.connect
+def _task_started(**_: object) -> None:
+    _running["tasks"] += 1
+
+
+@task_postrun.connect
+def _task_ended(**_: object) -> None:
+    _running["tasks"] -= 1
+    SHUTDOWN.clear()  # the main process takes no new message once it is stopping
+
+
+# Not SIGTERM: a child signalled by the process group and then by the main process must not
+# take the second signal for "asked twice". (Celery leaves SIGUSR2 alone unless CELERY_RDBSIG.)
+STOP_SIGNAL = signal.SIGUSR2
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    if _running["tasks"] and not SHUTDOWN.is_set():
+        SHUTDOWN.set()
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # idle, or asked twice: stop now
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _on_stop_signal(signum: int, frame: FrameType | None) -> None:
+    SHUTDOWN.set()
+
+
+@worker_process_init.connect
+def _catch_sigterm_in_pool_child(**_: object) -> None:
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(STOP_SIGNAL, _on_stop_signal)
+
+
+@worker_shutting_down.connect
+def _pass_sigterm_to_pool_children(how: str = "", **_: object) -> None:
+    """The main process alone got SIGTERM (a container runtime signals PID 1): tell the pool
+    children now, so a drain's grace period starts with the main process's."""
+    if how != "Warm":
+        return
+    for child in active_children():
+        try:
+            if child.pid is not None:
+                os.kill(child.pid, STOP_SIGNAL)
+        except ProcessLookupError:
+            pass
+
 
 @celery_app.task(name=TaskName.validate_batch.value)
+@timed("validation")
 def validate_batch(batch_id: str) -> str:
     """Validate a batch's input once. The scheduler loop's re-nudge is the only retry chain:
     a transient failure (fleet, database or store unreachable) returns and waits for it; a
@@ -68,18 +136,24 @@ def validate_batch(batch_id: str) -> str:
 
 
 @celery_app.task(name=TaskName.finalize_batch.value)
+@timed("finalization")
 def finalize_batch(batch_id: str) -> str | None:
     return output.finalize_batch(unit_of_work, get_object_store(), batch_id=batch_id)
 
 
-@celery_app.task(name=TaskName.drain.value)
+# Acknowledged when it starts, not when it ends: a drain is only a nudge (the scheduler loop
+# starts another while there is work, and its lines are reclaimed if it dies), and a late ack
+# after the broker restarted mid-drain hits a dead channel and takes the worker down with it.
+@celery_app.task(name=TaskName.drain.value, acks_late=False)
 def drain() -> int:
     """Release pending lines onto the fleet for one time slice."""
     s = get_settings()
     leases = get_lease_store()
 
     async def run() -> int:
-        fleet = FleetClient(s.fleet_url_list, timeout_s=s.fleet_timeout_s, api_key=s.fleet_api_key)
+        fleet = FleetClient(
+            s.fleet_url_list, timeout_s=s.fleet_timeout_s, api_key=s.fleet_api_key, redis_url=s.redis_url
+        )
         try:
             dispatcher = Dispatcher(
                 store=get_object_store(),
@@ -87,8 +161,11 @@ def drain() -> int:
                 admission=get_admission(),
                 fleet=fleet,
                 planner=make_planner(),
-                max_attempts=s.fleet_max_retries,
+                max_attempts=s.max_attempts,
                 hint_mode=s.fleet_priority_hint,
+                shutdown=SHUTDOWN,
+                grace_s=s.drain_grace_s,
+                db_patience_s=s.db_outage_patience_s,
             )
             return await dispatcher.run(s.drain_slice_s, max_drains=s.drains)
         finally:

@@ -1,9 +1,10 @@
 """The scheduler loop: the database is the truth and this loop keeps nudging it forward.
 
-Each tick: expire overdue batches, finish cancellations, reclaim lines whose worker died,
-re-nudge validations the broker lost, start finalization, and keep drains running while
-there is pending work; every `retention_interval_s`, apply retention. Every step is
-idempotent, so two schedulers are merely wasteful.
+Each tick: expire overdue batches, finish cancellations, reconcile (reclaim lines whose
+worker died, resume batches that stopped making progress), re-nudge validations the broker
+lost, start finalization, and keep drains running while there is pending work; every
+`retention_interval_s`, apply retention. Every step is idempotent, so two schedulers are
+merely wasteful.
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ from sqlalchemy import select
 
 from jobs import retention, sweeps
 from jobs.models import Batch, BatchStatus, utcnow
+from jobs.sweeps import PendingBatch
+from scheduler import webhook_delivery
 from scheduler.dispatcher import DRAIN_POOL
 from scheduler.leases import LeaseStore
 from storage.broker import TaskName
 from storage.db import unit_of_work
 from storage.objects import get_object_store
+from storage.settings import get_settings
 
 log = logging.getLogger("backfill.scheduler")
 
@@ -35,6 +39,97 @@ class Enqueue(Protocol):
     def __call__(self, name: TaskName, /, *args: str) -> None: ...
 
 
+class Reconciler:
+    """Finds orphaned work and resumes it, saying what it did.
+
+    - Lines running under a holder whose heartbeat is gone are reclaimed (an attempt spent; past
+      the cap the line fails with `max_attempts_exceeded`), but only once the heartbeat has been
+      missing for a whole TTL, seen by two ticks: a Redis that restarted empty loses every
+      heartbeat at once, and live drains re-assert theirs within a third of a TTL.
+    - A batch with work left whose counters have not moved for `stall_after_s` is looked at:
+      lines under a live drain are left alone (slow, or waiting for the database), lines ready to
+      run with no live drain on the batch get a drain started now, and a batch with nothing left
+      to run gets its finalization nudged now.
+    """
+
+    def __init__(self, *, leases: LeaseStore, max_attempts: int, heartbeat_ttl_s: float, stall_after_s: float) -> None:
+        self.leases = leases
+        self.max_attempts = max_attempts
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.stall_after_s = stall_after_s
+        self._missing: dict[str, tuple[float, int]] = {}  # holder -> (first seen missing, ticks seen)
+        self._progress: dict[str, tuple[int, float]] = {}  # batch -> (lines left, since)
+
+    def reclaim(self) -> sweeps.Reclaimed:
+        with unit_of_work() as session:
+            tokens = sweeps.running_claim_tokens(session)
+        alive = self.leases.alive(tokens)
+        now = time.monotonic()
+        seen = {t: self._missing.get(t, (now, 0)) for t in tokens if t not in alive}
+        self._missing = {t: (since, n + 1) for t, (since, n) in seen.items()}
+        lapsed = [t for t, (since, n) in self._missing.items() if n >= 2 and now - since >= self.heartbeat_ttl_s]
+        if not lapsed:
+            return sweeps.Reclaimed()
+        with unit_of_work() as session:
+            out = sweeps.reclaim_orphans(session, dead_tokens=lapsed, max_attempts=self.max_attempts)
+        for t in lapsed:
+            self._missing.pop(t, None)
+        for batch_id in sorted(set(out.requeued) | set(out.failed)):
+            log.warning(
+                "reconciler: batch %s: took %d lines back from lapsed drains (an attempt each), %d of them past "
+                "the attempt cap went to the error file",
+                batch_id,
+                out.requeued[batch_id] + out.failed[batch_id],
+                out.failed[batch_id],
+            )
+        return out
+
+    def resume_stalled(self, pending: list[PendingBatch]) -> list[tuple[TaskName, str]]:
+        """What to send for batches that stopped making progress: (task, batch id or "")."""
+        now = time.monotonic()
+        actions: list[tuple[TaskName, str]] = []
+        progress: dict[str, tuple[int, float]] = {}
+        for b in pending:
+            left, since = self._progress.get(b.batch_id, (b.remaining, now))
+            if left != b.remaining or now - since < self.stall_after_s:
+                progress[b.batch_id] = (b.remaining, since if left == b.remaining else now)
+                continue
+            progress[b.batch_id] = (b.remaining, now)  # looked at again after another stall period
+            actions += self._resume(b.batch_id, idle_s=now - since)
+        self._progress = progress
+        return actions
+
+    def _resume(self, batch_id: str, *, idle_s: float) -> list[tuple[TaskName, str]]:
+        with unit_of_work() as session:
+            census = sweeps.line_census(session, batch_id)
+        live = self.leases.alive(sorted(census.holders)) if census.holders else set()
+        what = f"reconciler: batch {batch_id}: no progress for {idle_s:.0f} s"
+        if live:
+            log.info("%s; %d lines running under %d live drains: left to them", what, census.running, len(live))
+            return []
+        if census.running:
+            log.warning(
+                "%s; %d lines held by lapsed drains: reclaimed once their heartbeat has been gone a TTL",
+                what,
+                census.running,
+            )
+        if census.ready:
+            log.warning(
+                "%s; %d lines ready and no live drain on them (%d drain slots held): started a drain",
+                what,
+                census.ready,
+                self.leases.count(DRAIN_POOL),
+            )
+            return [(TaskName.drain, "")]
+        if census.backing_off:
+            log.info("%s; %d lines waiting out a retry backoff", what, census.backing_off)
+            return []
+        if not census.running:
+            log.warning("%s; nothing left to run: finalization nudged", what)
+            return [(TaskName.finalize_batch, batch_id)]
+        return []
+
+
 class Ticker:
     def __init__(
         self,
@@ -44,10 +139,18 @@ class Ticker:
         drains: int,
         retention_policy: retention.RetentionPolicy | None = None,
         retention_interval_s: float = 60.0,
+        reconciler: Reconciler | None = None,
     ) -> None:
         self.leases = leases
         self.enqueue = enqueue
         self.drains = drains
+        s = get_settings()
+        self.reconciler = reconciler or Reconciler(
+            leases=leases,
+            max_attempts=s.max_attempts,
+            heartbeat_ttl_s=s.lease_ttl_s,
+            stall_after_s=s.stall_after_s,
+        )
         self.retention_policy = retention_policy
         self.retention_interval_s = retention_interval_s
         self._last_retention = -1e9
@@ -68,14 +171,10 @@ class Ticker:
         for batch_id in to_finalize:
             self._nudge(TaskName.finalize_batch, batch_id)
 
-        with unit_of_work() as session:
-            tokens = sweeps.running_claim_tokens(session)
-        alive = self.leases.alive(tokens)
-        dead = [t for t in tokens if t not in alive]
-        if dead:
-            with unit_of_work() as session:
-                n = sweeps.reclaim_orphans(session, dead_tokens=dead)
-            log.warning("reclaimed %d lines from %d lapsed workers", n, len(dead))
+        try:
+            self.reconciler.reclaim()
+        except Exception:  # (Redis away: nothing is reclaimed until its heartbeats can be read)
+            log.warning("reclaim skipped", exc_info=True)
 
         stale = utcnow() - timedelta(seconds=10)
         with unit_of_work() as session:
@@ -84,9 +183,19 @@ class Ticker:
                     select(Batch.id).where(Batch.status == BatchStatus.validating, Batch.created_at < stale)
                 ).scalars()
             )
-            has_work = bool(sweeps.pending_batches(session))
+            pending = sweeps.pending_batches(session)
+            has_work = bool(pending)
         for batch_id in waiting:
             self._nudge(TaskName.validate_batch, batch_id)
+        try:
+            for task, batch_id in self.reconciler.resume_stalled(pending):
+                self._nudged.pop((task, batch_id), None)
+                if batch_id:
+                    self._nudge(task, batch_id)
+                else:
+                    self.enqueue(task)
+        except Exception:
+            log.warning("stall check skipped", exc_info=True)
 
         if has_work:
             running = self.leases.count(DRAIN_POOL)
@@ -96,6 +205,7 @@ class Ticker:
                 for _ in range(self.drains - running):
                     self.enqueue(TaskName.drain)
 
+        webhook_delivery.deliver_in_background()  # due webhooks, in a thread of their own
         self.retain()
 
     def retain(self, *, force: bool = False) -> retention.RetentionReport | None:

@@ -12,7 +12,9 @@ from pathlib import Path
 from pydantic import field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-DEFAULT_HOME = Path(".backfill")
+# State of the embedded mode (database, objects, broker folders, the simulated fleet, logs):
+# under the user's home, never the working directory.
+DEFAULT_HOME = Path("~/.backfill")
 
 
 class Settings(BaseSettings):
@@ -95,6 +97,12 @@ class Settings(BaseSettings):
     retention_interval_s: float = 60.0
     orphan_grace_s: float = 3600.0
     result_body_retention_s: float = 3600.0
+
+    # Prometheus multiprocess files of every backfill process on this host (empty: HOME/metrics);
+    # the API's /metrics adds up what the API, worker and scheduler processes wrote there.
+    metrics_dir: str = ""
+    # Bearer token /metrics asks for (empty: open, for a scraper on a private network).
+    metrics_token: str = ""
 
     # Capacity controller (runs in the scheduler process when capacity_control is on).
     # Prometheus endpoints of the fleet: `role=url` items, role frontend|agg|prefill|decode,

@@ -9,7 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from alembic import command
+from sqlalchemy.orm import Session, sessionmaker
 
+from backfill.migrate import alembic_config
+from storage.db import make_engine
 from tests.stack import RedisServer, Stack, create_database, drop_database, service_env
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -23,12 +27,64 @@ def _free_port() -> int:
     return free_port()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _scratch_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Processes that do not set a home of their own keep their state (metrics files, the
+    embedded database) in a scratch folder, never in the developer's ~/.backfill."""
+    saved = {k: os.environ.get(k) for k in ("BACKFILL_HOME", "BACKFILL_METRICS_DIR")}
+    home = tmp_path_factory.mktemp("default-home")
+    os.environ.setdefault("BACKFILL_HOME", str(home))
+    os.environ.setdefault("BACKFILL_METRICS_DIR", str(home / "metrics"))
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 @pytest.fixture(scope="session")
 def pg_url() -> Iterator[str]:
-    """A fresh Postgres database for this test session, migrated to head."""
+    """The Postgres database of this session's running stack (`stack`), migrated to head."""
     name = f"backfill_test_{secrets.token_hex(4)}"
     yield create_database(PG_ADMIN_URL, name)
     drop_database(PG_ADMIN_URL, name)
+
+
+@pytest.fixture(scope="session")
+def scratch_pg_url() -> Iterator[str]:
+    """A Postgres database for in-process tests, apart from the stack's: the stack's scheduler
+    and drains must never pick up (and fail on) batches these tests write."""
+    name = f"backfill_scratch_{secrets.token_hex(4)}"
+    yield create_database(PG_ADMIN_URL, name)
+    drop_database(PG_ADMIN_URL, name)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[sessionmaker[Session]]:
+    """The one scratch database of the unit and in-process tests: migrated to head, on SQLite
+    (the embedded mode) and on Postgres, never the database a running stack uses."""
+    name = None
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'jobs.db'}"
+    else:
+        import psycopg
+
+        name = f"backfill_jobs_{secrets.token_hex(4)}"
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        url = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://") + f"/{name}"
+    engine = make_engine(url)
+    try:
+        with engine.begin() as conn:
+            cfg = alembic_config()
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "head")
+        yield sessionmaker(bind=engine, expire_on_commit=False)
+    finally:
+        engine.dispose()
+        if name is not None:
+            drop_database(PG_ADMIN_URL, name)
 
 
 @pytest.fixture(scope="session")

@@ -62,7 +62,7 @@ class Stack:
         for name in list(self.procs):
             proc = self.procs[name]
             try:
-                proc.wait(timeout=20)
+                proc.wait(timeout=30)  # a drain's shutdown grace is 20 s
             except subprocess.TimeoutExpired:
                 self.kill(name)
         self.procs.clear()

@@ -50,6 +50,7 @@ def create_batch(body: CreateBatchBody, principal: CurrentPrincipal, session: Db
         windows=get_settings().completion_window_seconds,
         metadata=body.metadata,
         output_expires_after=body.output_expires_after,
+        api_key_id=principal.key_id,
     )
     wire = batch_out(batch)
     session.commit()  # here rather than at the request's end: validation is enqueued after it

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 
 from api.deps import CurrentPrincipal, DbSession
 from api.errors import COMMON_ERRORS, error_responses
-from api.org_wire import PROJECT_PREFIX, amount_out, from_unix, project_id_out
+from api.org_wire import PROJECT_PREFIX, amount_out, from_unix, key_id_in, key_id_out, project_id_out
 from api.protocol import (
     Bucket,
     CompletionsUsagePage,
@@ -32,7 +32,7 @@ router = APIRouter(prefix="/v1/organization", tags=["usage"], responses=error_re
 # OpenAI's bucket limits per width: (default, maximum).
 USAGE_LIMITS = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}
 COSTS_LIMITS = (7, 180)
-USAGE_GROUPS = frozenset({"project_id", "model", "batch"})
+USAGE_GROUPS = frozenset({"project_id", "api_key_id", "model", "batch"})
 COSTS_GROUPS = frozenset({"project_id", "line_item"})
 
 
@@ -135,7 +135,9 @@ def usage_completions(
             width_s=width_s,
             team_ids=teams,
             models=_values(request, "models") or None,
+            api_key_ids=[key_id_in(k) for k in _values(request, "api_key_ids")] or None,
             by_team="project_id" in groups,
+            by_api_key="api_key_id" in groups,
             by_model="model" in groups,
         )
     grouped = _by_bucket(rows)
@@ -155,7 +157,7 @@ def usage_completions(
                     num_model_requests=r.requests,
                     project_id=project_id_out(r.team_id) if r.team_id is not None else None,
                     user_id=None,
-                    api_key_id=None,
+                    api_key_id=key_id_out(r.api_key_id) if r.api_key_id is not None else None,
                     model=r.model,
                     batch=True if "batch" in groups else None,
                 )

@@ -41,7 +41,7 @@ class ApiEnv:
 
 
 @pytest.fixture(scope="package")
-def api_env(pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiEnv]:
+def api_env(scratch_pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiEnv]:
     env = ApiEnv(
         admin_key="sk-admin-" + secrets.token_hex(16),
         home=tmp_path_factory.mktemp("api-home"),
@@ -50,7 +50,7 @@ def api_env(pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactor
     )
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("BACKFILL_ENVIRONMENT", "development")
-        mp.setenv("BACKFILL_DATABASE_URL", pg_url)
+        mp.setenv("BACKFILL_DATABASE_URL", scratch_pg_url)
         mp.setenv("BACKFILL_BROKER_URL", redis_url)
         mp.setenv("BACKFILL_HOME", str(env.home))
         mp.setenv("BACKFILL_S3_ENDPOINT_URL", "")  # the local object directory under home

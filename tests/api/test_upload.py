@@ -71,7 +71,7 @@ class Service:
 
 
 @pytest.fixture
-def service(pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Service]:
+def service(scratch_pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Service]:
     home = tmp_path / "home"
     for name in (
         "BACKFILL_S3_ENDPOINT_URL",
@@ -81,7 +81,7 @@ def service(pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Ite
     ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("BACKFILL_ENVIRONMENT", "development")
-    monkeypatch.setenv("BACKFILL_DATABASE_URL", pg_url)
+    monkeypatch.setenv("BACKFILL_DATABASE_URL", scratch_pg_url)
     monkeypatch.setenv("BACKFILL_HOME", str(home))
     monkeypatch.setenv("BACKFILL_MAX_FILE_BYTES", str(MAX_FILE_BYTES))
     monkeypatch.setenv("BACKFILL_RATE_LIMIT", "off")

@@ -175,8 +175,8 @@ def test_every_bad_line_is_reported_with_its_number(
 
 
 @pytest.fixture(scope="module")
-def db(pg_url: str) -> Iterator[sessionmaker[Session]]:
-    engine = make_engine(pg_url)
+def db(scratch_pg_url: str) -> Iterator[sessionmaker[Session]]:
+    engine = make_engine(scratch_pg_url)
     yield sessionmaker(bind=engine, expire_on_commit=False)
     engine.dispose()
 

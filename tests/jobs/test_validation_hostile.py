@@ -1,7 +1,7 @@
 """Hostile batch input files: values that overflow a column, huge values quoted in messages,
 one huge line, crafted bodies, and what happens when validation itself breaks.
 
-The database tests run on the session's migrated Postgres (`pg_url`): the column bounds that
+The database tests run on the session's migrated Postgres (`scratch_pg_url`): the column bounds that
 matter are Postgres's, not SQLite's, which stores anything."""
 
 from __future__ import annotations
@@ -216,8 +216,8 @@ def test_the_envelope_rules() -> None:
 
 
 @pytest.fixture(scope="module")
-def db(pg_url: str) -> Iterator[sessionmaker[Session]]:
-    engine = make_engine(pg_url)
+def db(scratch_pg_url: str) -> Iterator[sessionmaker[Session]]:
+    engine = make_engine(scratch_pg_url)
     yield sessionmaker(bind=engine, expire_on_commit=False)
     engine.dispose()
 

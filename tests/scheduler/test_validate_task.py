@@ -13,6 +13,7 @@ import pytest
 from jobs.models import Batch, BatchStatus, File, utcnow
 from jobs.teams import get_or_create_team
 
+
 def _lines(n: int) -> bytes:
     return b"".join(
         b'{"custom_id": "c%d", "method": "POST", "url": "/v1/chat/completions", '
@@ -37,9 +38,9 @@ def _reset() -> None:
 
 
 @pytest.fixture
-def env(pg_url: str, redis_url: str, fleet: object, tmp_path: Path) -> Iterator[pytest.MonkeyPatch]:
+def env(scratch_pg_url: str, redis_url: str, fleet: object, tmp_path: Path) -> Iterator[pytest.MonkeyPatch]:
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("BACKFILL_DATABASE_URL", pg_url)
+        mp.setenv("BACKFILL_DATABASE_URL", scratch_pg_url)
         mp.setenv("BACKFILL_REDIS_URL", redis_url)
         mp.setenv("BACKFILL_HOME", str(tmp_path))
         mp.setenv("BACKFILL_S3_ENDPOINT_URL", "")

@@ -4,17 +4,12 @@ migrated scratch Postgres database (never the one a running stack uses)."""
 from __future__ import annotations
 
 import os
-import secrets
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
-import pytest
-from alembic import command
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from backfill.migrate import alembic_config
 from jobs import billing, quotas
 from jobs.billing_models import Price, UsageLedgerEntry
 from jobs.claims import claim_requests, release_for_retry
@@ -23,35 +18,8 @@ from jobs.replies import Outcome, Usage
 from jobs.results import record_outcome
 from jobs.usage import align, usage_totals
 from jobs.validation import ValidationResult, apply_validation
-from storage.db import make_engine
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db(request: pytest.FixtureRequest, tmp_path) -> Iterator[sessionmaker[Session]]:  # type: ignore[no-untyped-def]
-    name = None
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'ledger.db'}"
-    else:
-        import psycopg
-
-        name = f"backfill_unit_{secrets.token_hex(4)}"
-        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
-        url = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://") + f"/{name}"
-    engine = make_engine(url)
-    with engine.begin() as conn:
-        cfg = alembic_config()
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "head")
-    yield sessionmaker(bind=engine, expire_on_commit=False)
-    engine.dispose()
-    if name is not None:
-        import psycopg
-
-        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def _batch(

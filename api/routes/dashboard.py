@@ -1,0 +1,264 @@
+"""The web dashboard: a static page (`/dashboard`, plain HTML + one small script, no build step)
+and the two JSON routes it reads besides the existing batches, usage and costs routes.
+
+The page asks for an API key, keeps it in sessionStorage and sends it as a Bearer token: a team
+key shows that team's batches, an admin key every team's. The fleet view samples
+`GET /v1/dashboard/fleet` every few seconds and plots the fleet's in-flight requests (from the
+frontend's Prometheus metrics), the batch requests in flight (capacity leases held) and the
+released lease limit over time.
+
+The API may not import `scheduler`, where the lease store lives, so the lease gauges are read
+here from the store's documented layout (`scheduler/leases.py`): the pool is a Redis sorted set
+`backfill:lease:<pool>` scored by expiry and published values are `backfill:val:<name>`; in the
+embedded mode, rows of the `leases` table. A test holds this reader to the real store.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import redis
+from fastapi import APIRouter
+from fastapi.responses import Response
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel
+from sqlalchemy import func, select
+from sqlalchemy.exc import SQLAlchemyError
+
+from api.deps import CurrentPrincipal, DbSession
+from api.errors import COMMON_ERRORS, error_responses
+from api.org_wire import project_id_out
+from api.wire import batch_id_out, ts
+from jobs import batches as batch_service
+from jobs import teams as team_service
+from jobs.models import Lease
+from storage.db import unit_of_work
+from storage.settings import Settings, get_settings
+
+ASSETS = Path(__file__).resolve().parent.parent / "dashboard"
+# The only files served, with their types: nothing a path can reach beyond these.
+_ASSET_TYPES = {"app.js": "text/javascript", "style.css": "text/css"}
+_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+_PAGE_HEADERS = {"Content-Security-Policy": _CSP, "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
+
+# Mirrors `scheduler.admission` and `scheduler.leases` (see the module docstring).
+LEASE_NAMESPACE = "backfill"
+FLEET_POOL = "fleet"
+LIMIT_KEY = "limit:fleet"
+INFLIGHT_METRIC = "dynamo_frontend_inflight_requests"
+SCRAPE_TIMEOUT_S = 1.0
+SAMPLE_CACHE_S = 1.0  # many open dashboards cost the fleet one scrape a second
+BATCHES_SHOWN = 50
+
+page = APIRouter(include_in_schema=False)
+router = APIRouter(prefix="/v1/dashboard", tags=["dashboard"], responses=error_responses(*COMMON_ERRORS))
+
+
+@page.get("/dashboard")
+def dashboard_page() -> Response:
+    return Response((ASSETS / "index.html").read_bytes(), media_type="text/html", headers=_PAGE_HEADERS)
+
+
+@page.get("/dashboard/{asset}")
+def dashboard_asset(asset: str) -> Response:
+    media_type = _ASSET_TYPES.get(asset)
+    if media_type is None:
+        return Response(status_code=404)
+    return Response((ASSETS / asset).read_bytes(), media_type=media_type, headers=_PAGE_HEADERS)
+
+
+# -- Batches ------------------------------------------------------------------------------------
+
+
+class DashboardTeam(BaseModel):
+    project_id: str
+    name: str
+
+
+class DashboardBatch(BaseModel):
+    id: str
+    project_id: str
+    status: str
+    endpoint: str
+    model: str | None
+    created_at: int
+    expires_at: int
+    total: int
+    completed: int
+    failed: int
+    input_tokens: int
+    output_tokens: int
+
+
+class DashboardBatches(BaseModel):
+    object: Literal["dashboard.batches"]
+    admin: bool
+    project_id: str  # the caller's own team
+    teams: list[DashboardTeam]  # the caller's team, or every team for an admin key
+    data: list[DashboardBatch]
+
+
+@router.get("/batches")
+def dashboard_batches(principal: CurrentPrincipal, session: DbSession) -> DashboardBatches:
+    """The most recent batches: the caller's team's, or every team's for an admin key."""
+    scope = None if principal.is_admin else principal.team_id
+    rows, _ = batch_service.list_batches(session, team_id=scope, limit=BATCHES_SHOWN, after=None)
+    teams = [t for t in team_service.list_teams(session) if scope is None or t.id == scope]
+    return DashboardBatches(
+        object="dashboard.batches",
+        admin=principal.is_admin,
+        project_id=project_id_out(principal.team_id),
+        teams=[DashboardTeam(project_id=project_id_out(t.id), name=t.name) for t in teams],
+        data=[
+            DashboardBatch(
+                id=batch_id_out(b.id),
+                project_id=project_id_out(b.team_id),
+                status=b.status,
+                endpoint=b.endpoint,
+                model=b.model,
+                created_at=ts(b.created_at),
+                expires_at=ts(b.expires_at),
+                total=b.total,
+                completed=b.completed,
+                failed=b.failed,
+                input_tokens=b.input_tokens,
+                output_tokens=b.output_tokens,
+            )
+            for b in rows
+        ],
+    )
+
+
+# -- Fleet load ---------------------------------------------------------------------------------
+
+
+class FleetLoad(BaseModel):
+    """One sample of the fleet's load and the batch share of it."""
+
+    object: Literal["dashboard.fleet_load"]
+    at: float  # Unix time of the sample
+    fleet_inflight: int | None  # every request in flight at the fleet's frontends; None: unreadable
+    batch_inflight: int | None  # batch requests in flight (capacity leases held); None: unreadable
+    interactive_inflight: int | None  # the rest of the fleet's in-flight requests
+    limit: int | None  # the lease limit released to batch work now; None: unreadable
+    capacity_control: bool  # whether the limit follows the fleet's telemetry (else it is fixed)
+
+
+@lru_cache
+def _redis(url: str) -> Any:
+    return redis.Redis.from_url(url, decode_responses=True, socket_timeout=1.0, socket_connect_timeout=1.0)
+
+
+def lease_gauges(
+    settings: Settings, *, namespace: str = LEASE_NAMESPACE, pool: str = FLEET_POOL, limit_key: str = LIMIT_KEY
+) -> tuple[int, str | None]:
+    """(leases held in the pool, the published limit or None), as the lease store keeps them."""
+    now = time.time()
+    if settings.redis_url:
+        r = _redis(settings.redis_url)
+        held = r.zcount(f"{namespace}:lease:{pool}", f"({now}", "+inf")
+        return int(held), r.get(f"{namespace}:val:{limit_key}")
+    with unit_of_work() as session:
+        held = session.execute(
+            select(func.count()).where(Lease.kind == f"pool:{pool}", Lease.expires_at > now)
+        ).scalar_one()
+        value = session.execute(
+            select(Lease.id).where(Lease.kind == f"val:{limit_key}", Lease.expires_at > now)
+        ).scalar_one_or_none()
+    return int(held), value[len(f"val:{limit_key}:") :] if value else None
+
+
+def released_limit(settings: Settings, published: str | None) -> int:
+    """The limit admission applies now (as `scheduler.admission.Admission.limit`)."""
+    if not settings.capacity_control:
+        return settings.max_inflight
+    return int(published) if published is not None and published.isdigit() else settings.capacity_floor
+
+
+def frontend_metrics_urls(spec: str) -> list[str]:
+    """The frontends of `fleet_metrics_urls` (`role=url,...;...`; a bare URL is a frontend)."""
+    urls = []
+    for item in spec.replace(";", ",").split(","):
+        role, sep, url = item.strip().partition("=")
+        if not sep:
+            role, url = "frontend", item.strip()
+        if role.strip().lower() == "frontend" and url.strip():
+            urls.append(url.strip())
+    return urls
+
+
+def _inflight_of(text: str) -> float:
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == INFLIGHT_METRIC
+        for sample in family.samples
+        if sample.name == INFLIGHT_METRIC
+    )
+
+
+def fleet_inflight(urls: list[str]) -> int | None:
+    """Requests in flight at the fleet's frontends (every kind), None if a frontend is unreadable."""
+    if not urls:
+        return None
+    total = 0.0
+    try:
+        with httpx.Client(timeout=SCRAPE_TIMEOUT_S) as client:
+            for url in urls:
+                response = client.get(url)
+                response.raise_for_status()
+                total += _inflight_of(response.text)
+    except (httpx.HTTPError, ValueError):
+        return None
+    return int(total)
+
+
+class _SampleCache:
+    """The last sample, reused for SAMPLE_CACHE_S so dashboards never multiply the scrapes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sample: FleetLoad | None = None
+
+    def get(self) -> FleetLoad:
+        with self._lock:
+            if self._sample is None or time.time() - self._sample.at >= SAMPLE_CACHE_S:
+                self._sample = _sample(get_settings())
+            return self._sample
+
+
+def _sample(settings: Settings) -> FleetLoad:
+    held: int | None
+    limit: int | None
+    try:
+        held, published = lease_gauges(settings)
+        limit = released_limit(settings, published)
+    except (redis.RedisError, SQLAlchemyError, OSError):
+        held = limit = None  # the store is unreachable: the sample says so, the page shows a gap
+    fleet = fleet_inflight(frontend_metrics_urls(settings.fleet_metrics_spec))
+    return FleetLoad(
+        object="dashboard.fleet_load",
+        at=time.time(),
+        fleet_inflight=fleet,
+        batch_inflight=held,
+        interactive_inflight=max(0, fleet - held) if fleet is not None and held is not None else None,
+        limit=limit,
+        capacity_control=settings.capacity_control,
+    )
+
+
+_samples = _SampleCache()
+
+
+@router.get("/fleet")
+def dashboard_fleet(principal: CurrentPrincipal) -> FleetLoad:
+    """The fleet's load now: all in-flight requests, the batch ones, and the released limit."""
+    return _samples.get()

@@ -1,0 +1,143 @@
+"""For operators: `/metrics` (Prometheus) and `/ready` (can this API do its work). `/health` stays
+the liveness probe: it answers while the process runs, whatever its dependencies do.
+
+`/metrics` adds up what every backfill process wrote to the shared metrics directory (drains,
+the capacity controller, the ledger, the API's own requests: `storage.metrics`) and reads a few
+numbers from the database at scrape time: batches by status and the lines of unfinished
+batches by state (grouped counts on the batches' counters, no scan of lines), with the SLO the
+capacity controller protects beside them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Literal
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from pydantic import BaseModel
+from sqlalchemy.exc import SQLAlchemyError
+
+from jobs.metrics import batches_by_status, lines_by_state
+from jobs.models import BatchStatus, RequestState
+from storage.db import unit_of_work
+from storage.metrics import scrape_registry
+from storage.readiness import CHECKS, NotConfigured
+from storage.settings import get_settings
+
+log = logging.getLogger("backfill.api.ops")
+router = APIRouter(tags=["operations"])
+
+READY_TIMEOUT_S = 3.0
+MAX_ERROR_CHARS = 300
+
+
+class DatabaseGauges(Collector):
+    """Scrape-time numbers: a collector the scrape's registry calls once."""
+
+    def collect(self) -> Iterator[Metric]:
+        s = get_settings()
+        up = GaugeMetricFamily("backfill_metrics_database_up", "Whether this scrape could read the database.")
+        try:
+            with unit_of_work() as session:
+                batches, lines = batches_by_status(session), lines_by_state(session)
+        except SQLAlchemyError:
+            log.warning("metrics: the database could not be read", exc_info=True)
+            up.add_metric([], 0)
+        else:
+            up.add_metric([], 1)
+            by_status = GaugeMetricFamily("backfill_batches", "Batches by status.", labels=["status"])
+            for status in BatchStatus:
+                by_status.add_metric([status.value], batches.get(status.value, 0))
+            yield by_status
+            by_state = GaugeMetricFamily(
+                "backfill_lines", "Lines of the unfinished batches, by state.", labels=["state"]
+            )
+            for state in (RequestState.pending, RequestState.running, RequestState.succeeded, RequestState.failed):
+                by_state.add_metric([state.value], lines.get(state.value, 0))
+            yield by_state
+        yield up
+        yield GaugeMetricFamily(
+            "backfill_slo_ttft_seconds", "The interactive time-to-first-token SLO.", value=s.slo_ttft_s
+        )
+        yield GaugeMetricFamily(
+            "backfill_slo_itl_seconds", "The interactive inter-token latency SLO.", value=s.slo_itl_s
+        )
+        yield GaugeMetricFamily(
+            "backfill_capacity_control_enabled",
+            "1 when the capacity controller sets the lease limit, 0 for the fixed bound.",
+            value=int(s.capacity_control),
+        )
+        yield GaugeMetricFamily(
+            "backfill_fixed_inflight_limit",
+            "The configured bound on batch requests in flight (the controller's ceiling unless set).",
+            value=s.max_inflight,
+        )
+
+
+def _authorized(request: Request) -> bool:
+    token = get_settings().metrics_token
+    if not token:
+        return True
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+# Not in the OpenAPI document: its body is Prometheus's text format, not JSON.
+@router.get("/metrics", include_in_schema=False)
+def metrics(request: Request) -> Response:
+    if not _authorized(request):
+        return Response("metrics need the bearer token BACKFILL_METRICS_TOKEN\n", status_code=401)
+    body = generate_latest(scrape_registry(DatabaseGauges()))
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+class Check(BaseModel):
+    status: Literal["ok", "failed", "not_configured"]
+    duration_ms: float
+    error: str | None = None
+
+
+class Readiness(BaseModel):
+    status: Literal["ready", "not_ready"]
+    failed: list[str]
+    checks: dict[str, Check]
+
+
+async def _run(check: Callable[[], None]) -> Check:
+    started = time.monotonic()
+    try:
+        await asyncio.wait_for(asyncio.to_thread(check), READY_TIMEOUT_S)
+    except NotConfigured as exc:
+        return Check(status="not_configured", duration_ms=_ms(started), error=str(exc))
+    except TimeoutError:
+        return Check(status="failed", duration_ms=_ms(started), error=f"no answer within {READY_TIMEOUT_S:.0f} s")
+    except Exception as exc:  # noqa: BLE001 -- any failure of a dependency is the answer, not an error
+        message = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        return Check(status="failed", duration_ms=_ms(started), error=message[:MAX_ERROR_CHARS])
+    return Check(status="ok", duration_ms=_ms(started))
+
+
+def _ms(started: float) -> float:
+    return round((time.monotonic() - started) * 1000, 1)
+
+
+@router.get(
+    "/ready",
+    responses={503: {"model": Readiness, "description": "A dependency failed: `failed` names which."}},
+)
+async def ready(response: Response) -> Readiness:
+    """Readiness: the database, the broker, Redis (when configured) and the object store, each
+    checked with one round trip, side by side; 503 naming what failed."""
+    results = await asyncio.gather(*(_run(check) for check in CHECKS.values()))
+    checks = dict(zip(CHECKS, results, strict=True))
+    failed = [name for name, check in checks.items() if check.status == "failed"]
+    if failed:
+        response.status_code = 503
+    return Readiness(status="not_ready" if failed else "ready", failed=failed, checks=checks)

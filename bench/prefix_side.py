@@ -1,0 +1,84 @@
+"""backfill's side of one prefix-benchmark run, in its own process: the real Dispatcher (leases
+in Redis, lines claimed from Postgres, results committed there, a fixed lease limit) drains
+one batch to the end and writes when it started and how many requests it sent.
+
+Configured through the usual BACKFILL_* environment; bench/prefix.py sets it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+
+import orjson
+from sqlalchemy import func, select
+
+from jobs.models import BatchRequest, RequestState
+from scheduler.dispatcher import Dispatcher
+from scheduler.fleet import FleetClient
+from scheduler.leases import get_lease_store
+from scheduler.runtime import get_admission, make_planner
+from storage.db import unit_of_work
+from storage.objects import get_object_store
+from storage.settings import get_settings
+
+
+def unfinished(batch_id: str) -> int:
+    with unit_of_work() as s:
+        return int(
+            s.execute(
+                select(func.count()).where(
+                    BatchRequest.batch_id == batch_id,
+                    BatchRequest.state.in_([RequestState.pending, RequestState.running]),
+                )
+            ).scalar_one()
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch-id", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--kv-budget-tokens", type=int, default=0, help="0: no KV budget")
+    p.add_argument("--expand-n", action="store_true")
+    p.add_argument("--timeout-s", type=float, default=1200.0)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    s = get_settings()
+    leases = get_lease_store()
+    admission = get_admission()
+
+    async def drain() -> tuple[float, int]:
+        fleet = FleetClient(s.fleet_url_list, timeout_s=s.fleet_timeout_s)
+        sent = 0
+        started = time.time()
+        try:
+            while unfinished(a.batch_id) and time.time() - started < a.timeout_s:
+                d = Dispatcher(
+                    store=get_object_store(),
+                    leases=leases,
+                    admission=admission,
+                    fleet=fleet,
+                    planner=make_planner(admission=admission),
+                    max_attempts=s.max_attempts,
+                    hint_mode=s.fleet_priority_hint,
+                    kv_budget_tokens=a.kv_budget_tokens or None,
+                    expand_n=a.expand_n,
+                )
+                done = await d.run(30.0, max_drains=1)
+                sent += done
+                if not done:
+                    await asyncio.sleep(0.2)  # no drain slot yet (a previous run's lapsing), or all waiting
+        finally:
+            await fleet.aclose()
+        return started, sent
+
+    started, sent = asyncio.run(drain())
+    with open(a.out, "wb") as f:
+        f.write(orjson.dumps({"started": started, "ended": time.time(), "sent": sent}))
+
+
+if __name__ == "__main__":
+    main()

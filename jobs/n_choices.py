@@ -1,0 +1,73 @@
+"""Requests for `n` choices on a fleet that returns one (the Dynamo mocker; some engines).
+
+Such a request is sent as n requests of one choice each, all at once so they share the
+prompt's KV, and their answers are put back together as the one OpenAI response the client
+asked for: choices indexed 0..n-1, usage summed over what the fleet ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+MAX_EXPANDED_N = 128  # OpenAI's own bound on n; a larger n goes to the fleet as it is
+EXPANDABLE = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+def split_n(endpoint: str, body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The one-choice requests standing for `body`, or None when it asks for one choice.
+
+    A request with a seed gets seed, seed+1, ...: the same seed n times would give n equal
+    samples, where the client asked for n different (and still reproducible) ones.
+    """
+    n = body.get("n")
+    if endpoint not in EXPANDABLE or type(n) is not int or not 1 < n <= MAX_EXPANDED_N:
+        return None
+    one = {k: v for k, v in body.items() if k != "n"}
+    seed = body.get("seed")
+    if type(seed) is int:
+        return [{**one, "seed": seed + i} for i in range(n)]
+    return [dict(one) for _ in range(n)]
+
+
+def merge_choices(parts: Sequence[bytes]) -> bytes:
+    """One response from the bodies of successful one-choice responses, in request order."""
+    merged: dict[str, Any] | None = None
+    choices: list[Any] = []
+    usage: dict[str, Any] = {}
+    for raw in parts:
+        body = orjson.loads(raw)
+        if not isinstance(body, dict):
+            raise ValueError("a choice's response is not a JSON object")
+        if merged is None:
+            merged = body
+        for choice in body.get("choices") or []:
+            if isinstance(choice, dict):
+                choice = {**choice, "index": len(choices)}
+            choices.append(choice)
+        if isinstance(body.get("usage"), dict):
+            usage = _sum_counts(usage, body["usage"])
+    if merged is None:
+        raise ValueError("no responses to merge")
+    merged = {**merged, "choices": choices}
+    if usage:
+        merged["usage"] = usage
+    return orjson.dumps(merged)
+
+
+def _sum_counts(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Field-wise sum of two usage objects (nested details too); non-counts keep the first."""
+    out = dict(a)
+    for key, value in b.items():
+        mine = out.get(key)
+        if isinstance(value, bool) or value is None:
+            out.setdefault(key, value)
+        elif isinstance(value, int | float) and (mine is None or isinstance(mine, int | float)):
+            out[key] = (mine or 0) + value
+        elif isinstance(value, dict) and (mine is None or isinstance(mine, dict)):
+            out[key] = _sum_counts(mine or {}, value)
+        else:
+            out.setdefault(key, value)
+    return out

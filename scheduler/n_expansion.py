@@ -1,0 +1,43 @@
+"""Sending a request for n choices to a fleet that ignores `n` (see `jobs.n_choices`)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from jobs.n_choices import merge_choices, split_n
+from jobs.prefixes import PREFIX_WARM_S
+from scheduler.fleet import FleetClient, FleetReply
+
+
+async def post_request(
+    fleet: FleetClient, endpoint: str, body: dict[str, Any], *, expand_n: bool, warm_s: float = PREFIX_WARM_S
+) -> FleetReply:
+    """POST one batch line's body; with `expand_n`, n > 1 goes as n requests and comes back as
+    one response. The first goes a moment ahead (PREFIX_WARM_S) so the others find the
+    prompt's blocks cached. A failure of any of them is the line's failure: a transient one
+    retries the whole line, so the client never gets fewer choices than it asked for."""
+    parts = split_n(endpoint, body) if expand_n else None
+    if parts is None:
+        return await fleet.post(endpoint, body)
+    first = asyncio.ensure_future(fleet.post(endpoint, parts[0]))
+    try:
+        await asyncio.wait([first], timeout=warm_s)
+        rest = await asyncio.gather(*(fleet.post(endpoint, part) for part in parts[1:]))
+        replies = [await first, *rest]
+    finally:
+        first.cancel()  # only still running if this line was shed or its drain is stopping
+    failed = [r for r in replies if r.status_code != 200]
+    if failed:
+        return next((r for r in failed if r.transient), failed[0])
+    try:
+        merged = merge_choices([r.body for r in replies])
+    except ValueError:  # not JSON objects: the fleet's answer is passed on as it came
+        return replies[0]
+    return FleetReply(
+        status_code=200,
+        body=merged,
+        request_id=replies[0].request_id,
+        latency_s=max(r.latency_s for r in replies),
+        transient=False,
+    )

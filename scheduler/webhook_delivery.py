@@ -1,0 +1,131 @@
+"""Sends due webhook deliveries: claim in one short transaction, POST outside any transaction,
+record each outcome in another (see `jobs.webhooks` for the state machine and the backoff).
+
+The scheduler loop calls `deliver_in_background()` every tick; one pass at a time runs in a
+thread of its own, so a slow or silent receiver never holds up the loop. At least once: a
+sender that dies between the POST and the record leaves the delivery claimed for a minute,
+after which it is sent again with the same `webhook-id`, which receivers deduplicate on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
+
+import httpx
+from sqlalchemy.orm import Session
+
+from jobs import webhooks
+from jobs.webhooks import DueDelivery
+from storage.db import unit_of_work
+
+log = logging.getLogger("backfill.webhooks")
+
+UnitOfWork = Callable[[], AbstractContextManager[Session]]
+
+USER_AGENT = "backfill-webhooks/0.1"
+CLAIM_PER_ROUND = 32
+SENDERS = 8
+# A receiver gets this long to answer; its body is never read (only the status counts).
+TIMEOUT = httpx.Timeout(10.0, connect=5.0)
+# How long a claimed delivery is held before another sender may take it: past every timeout.
+HOLD_S = 60.0
+# One pass stops after this many rounds even if more keep falling due; the next tick goes on.
+MAX_ROUNDS = 20
+
+
+class WebhookSender:
+    def __init__(self, *, units: UnitOfWork = unit_of_work, client: httpx.Client | None = None) -> None:
+        self.units = units
+        self.client = client or httpx.Client(
+            timeout=TIMEOUT, follow_redirects=False, headers={"user-agent": USER_AGENT}
+        )
+
+    def send(self, due: DueDelivery) -> tuple[int | None, str | None]:
+        """One POST: (status code, None) when the receiver answered, (None, why) when not."""
+        timestamp = int(time.time())
+        headers = {
+            "content-type": "application/json",
+            "webhook-id": due.msg_id,
+            "webhook-timestamp": str(timestamp),
+            "webhook-signature": webhooks.signature_header(
+                due.secrets, msg_id=due.msg_id, timestamp=timestamp, body=due.body
+            ),
+        }
+        try:
+            # Streamed and closed unread: a receiver's answer body is never loaded.
+            with self.client.stream("POST", due.url, content=due.body, headers=headers) as response:
+                return response.status_code, None
+        except httpx.HTTPError as exc:
+            return None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+    def deliver_round(self) -> int:
+        """Claim what is due, send it (a few at once), record the outcomes; returns how many."""
+        with self.units() as session:
+            due = webhooks.claim_due(session, limit=CLAIM_PER_ROUND, hold_s=HOLD_S)
+        if not due:
+            return 0
+        with ThreadPoolExecutor(max_workers=min(SENDERS, len(due)), thread_name_prefix="webhook") as pool:
+            outcomes = list(pool.map(self.send, due))
+        for item, (status_code, error) in zip(due, outcomes, strict=True):
+            with self.units() as session:
+                status = webhooks.record_attempt(session, due=item, status_code=status_code, error=error)
+            if status == "failed":
+                log.warning(
+                    "webhook delivery %s to %s gave up after %d attempts", item.delivery_id, item.url, item.attempt
+                )
+        return len(due)
+
+    def deliver_due(self) -> int:
+        total = 0
+        for _ in range(MAX_ROUNDS):
+            n = self.deliver_round()
+            total += n
+            if n < CLAIM_PER_ROUND:
+                break
+        return total
+
+
+class BackgroundDelivery:
+    """At most one delivery pass at a time, each in a daemon thread."""
+
+    def __init__(self, sender_factory: Callable[[], WebhookSender] = WebhookSender) -> None:
+        self._sender_factory = sender_factory
+        self._sender: WebhookSender | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def kick(self) -> bool:
+        """Start a pass unless one is running; returns whether one was started."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return False
+            if self._sender is None:
+                self._sender = self._sender_factory()
+            self._thread = threading.Thread(target=self._run, args=(self._sender,), name="webhooks", daemon=True)
+            self._thread.start()
+            return True
+
+    @staticmethod
+    def _run(sender: WebhookSender) -> None:
+        try:
+            sender.deliver_due()
+        except Exception:
+            log.exception("webhook delivery pass failed")
+
+    def join(self, timeout_s: float | None = None) -> None:
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+
+
+_background = BackgroundDelivery()
+
+
+def deliver_in_background() -> None:
+    """The scheduler loop's one call: send what is due without waiting for it."""
+    _background.kick()

@@ -1,0 +1,205 @@
+"""Webhook delivery against a real receiving HTTP server, on a scratch database (SQLite and
+Postgres) that no running scheduler reads: retries with backoff, one logical event, signatures
+the reference verifier and OpenAI's SDK accept, the delivery log, giving up, a dead sender."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import openai
+import pytest
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+from standardwebhooks import Webhook
+
+from jobs import webhooks
+from jobs.models import Batch, BatchStatus, Team, utcnow
+from jobs.webhook_models import DeliveryStatus, WebhookDelivery, WebhookEndpoint, WebhookEvent
+from scheduler.webhook_delivery import WebhookSender
+
+
+@dataclass
+class Receiver:
+    """A real HTTP server answering each POST with the next scripted status (then 200)."""
+
+    statuses: list[int]
+    received: list[tuple[dict[str, str], bytes]] = field(default_factory=list)
+    server: http.server.ThreadingHTTPServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.server_address[1]}/hooks"
+
+    def __enter__(self) -> Receiver:
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                receiver.received.append(({k.lower(): v for k, v in self.headers.items()}, body))
+                self.send_response(receiver.statuses.pop(0) if receiver.statuses else 200)
+                self.send_header("content-length", "2")
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _event(session: Session, url: str, status: BatchStatus = BatchStatus.completed) -> tuple[str, str]:
+    """A team with an endpoint at `url` and a batch that just reached `status`: (secret, batch id)."""
+    team = Team(name=f"t-{webhooks.new_signing_secret()[-8:]}")
+    session.add(team)
+    session.flush()
+    endpoint = webhooks.create_endpoint(
+        session, team_id=team.id, name="r", url=url, event_types=list(webhooks.EVENT_TYPES)
+    )
+    now = utcnow()
+    batch = Batch(
+        team_id=team.id,
+        input_file_id="f",
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        status=status,
+        created_at=now,
+        expires_at=now + timedelta(hours=24),
+    )
+    session.add(batch)
+    session.flush()
+    assert webhooks.record_batch_event(session, batch_id=batch.id, status=status) is not None
+    return endpoint.secret, batch.id
+
+
+def _delivery(db: sessionmaker[Session]) -> WebhookDelivery:
+    with db.begin() as session:
+        return session.execute(select(WebhookDelivery)).scalar_one()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    with Receiver(statuses=[500]) as r:
+        yield r
+
+
+def test_a_failed_delivery_is_retried_with_backoff_and_lands_once(
+    db: sessionmaker[Session],
+    receiver: Receiver,
+) -> None:
+    with db.begin() as session:
+        secret, batch_id = _event(session, receiver.url)
+    sender = WebhookSender(units=db.begin)
+
+    assert sender.deliver_due() == 1  # answered 500
+    first = _delivery(db)
+    assert first.status == DeliveryStatus.pending and first.attempts == 1 and first.last_status_code == 500
+    assert first.next_attempt_at is not None and first.last_attempt_at is not None
+    delay = (first.next_attempt_at - first.last_attempt_at).total_seconds()
+    assert 5.0 <= delay <= 5.6, delay  # the first backoff step
+    assert sender.deliver_due() == 0 and len(receiver.received) == 1  # not due yet
+
+    with db.begin() as session:  # the backoff has passed
+        session.execute(update(WebhookDelivery).values(next_attempt_at=utcnow()))
+    assert sender.deliver_due() == 1  # answered 200
+    assert sender.deliver_due() == 0
+
+    done = _delivery(db)
+    assert done.status == DeliveryStatus.delivered and done.attempts == 2 and done.next_attempt_at is None
+    assert [a["status_code"] for a in done.history] == [500, 200] and done.delivered_at is not None
+
+    # One logical event: both attempts carry the same id and bytes, each freshly signed.
+    (h1, b1), (h2, b2) = receiver.received
+    assert h1["webhook-id"] == h2["webhook-id"] and b1 == b2
+    for headers, body in receiver.received:
+        event = Webhook(secret).verify(body, headers)
+        assert event == {
+            "id": headers["webhook-id"],
+            "object": "event",
+            "created_at": event["created_at"],
+            "type": "batch.completed",
+            "data": {"id": f"batch_{batch_id}"},
+        }
+        assert headers["content-type"] == "application/json"
+        # OpenAI's own SDK verifies and parses what we send.
+        unwrapped = openai.OpenAI(api_key="unused").webhooks.unwrap(body, headers, secret=secret)
+        assert unwrapped.type == "batch.completed" and unwrapped.data.id == f"batch_{batch_id}"
+
+    with db.begin() as session:
+        endpoint_id = session.execute(select(WebhookEndpoint.id)).scalar_one()
+        team_id = session.execute(select(WebhookEndpoint.team_id)).scalar_one()
+        ((logged, event),), has_more = webhooks.list_deliveries(
+            session, team_id=team_id, endpoint_id=endpoint_id, limit=10, after=None
+        )
+    assert not has_more and logged.attempts == 2 and event.type == "batch.completed"
+
+
+def test_an_unreachable_endpoint_is_logged_and_retried(db: sessionmaker[Session]) -> None:
+    with db.begin() as session:
+        _event(session, "http://127.0.0.1:9/hooks", BatchStatus.failed)  # nothing listens there
+    assert WebhookSender(units=db.begin).deliver_due() == 1
+    row = _delivery(db)
+    assert row.status == DeliveryStatus.pending and row.last_status_code is None
+    assert row.last_error is not None and row.last_error.startswith("ConnectError")
+
+
+def test_the_backoff_doubles_to_an_hour_and_gives_up_after_a_day(db: sessionmaker[Session]) -> None:
+    with db.begin() as session:
+        _event(session, "http://127.0.0.1:9/hooks")
+        created = session.execute(select(WebhookEvent.created_at)).scalar_one()
+    now, gaps = created, []
+    for _ in range(100):
+        with db.begin() as session:
+            (due,) = webhooks.claim_due(session, now=now)
+            status = webhooks.record_attempt(session, due=due, status_code=503, error=None, now=now)
+        row = _delivery(db)
+        if status == DeliveryStatus.failed:
+            break
+        assert row.next_attempt_at is not None
+        gaps.append((row.next_attempt_at - now).total_seconds())
+        now = row.next_attempt_at
+    assert row.status == DeliveryStatus.failed and row.next_attempt_at is None
+    assert 25 <= row.attempts <= 36, row.attempts
+    assert timedelta(hours=22) < now - created <= webhooks.GIVE_UP_AFTER
+    assert 5.0 <= gaps[0] <= 5.5 and 10.0 <= gaps[1] <= 11.0 and 3600 <= max(gaps) <= 3960
+    assert len(row.history) == webhooks.HISTORY_KEPT  # the log is capped
+
+
+def test_a_sender_that_dies_mid_attempt_only_delays_the_delivery(db: sessionmaker[Session]) -> None:
+    with db.begin() as session:
+        _event(session, "http://127.0.0.1:9/hooks")
+    now = utcnow()
+    with db.begin() as session:
+        (lost,) = webhooks.claim_due(session, now=now, hold_s=60)  # its sender never records
+    with db.begin() as session:
+        assert webhooks.claim_due(session, now=now + timedelta(seconds=30)) == []  # still held
+    with db.begin() as session:
+        (again,) = webhooks.claim_due(session, now=now + timedelta(seconds=61))
+    assert again.msg_id == lost.msg_id and again.attempt == lost.attempt == 1
+    with db.begin() as session:
+        assert webhooks.record_attempt(session, due=again, status_code=204, error=None) == DeliveryStatus.delivered
+    with db.begin() as session:  # the first sender coming back late records nothing
+        assert webhooks.record_attempt(session, due=lost, status_code=500, error=None) is None
+    assert _delivery(db).status == DeliveryStatus.delivered and _delivery(db).attempts == 1
+
+
+def test_deleting_the_endpoint_drops_what_it_had_left_to_receive(db: sessionmaker[Session]) -> None:
+    with db.begin() as session:
+        _event(session, "http://127.0.0.1:9/hooks")
+        endpoint = session.execute(select(WebhookEndpoint)).scalar_one()
+        webhooks.delete_endpoint(session, team_id=endpoint.team_id, endpoint_id=endpoint.id)
+    with db.begin() as session:
+        assert session.execute(select(WebhookDelivery)).first() is None
+        assert webhooks.claim_due(session, now=utcnow() + timedelta(days=1)) == []

@@ -1,0 +1,98 @@
+"""`n > 1` on a fleet that ignores n: sent as n requests, answered as one OpenAI response."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+
+from jobs.n_choices import MAX_EXPANDED_N, merge_choices, split_n
+from scheduler.fleet import FleetClient, FleetReply
+from scheduler.n_expansion import post_request
+
+CHAT = "/v1/chat/completions"
+
+
+def test_split_n_gives_distinct_seeds_and_leaves_single_choices_alone() -> None:
+    body = {"model": "m", "messages": [], "n": 3, "seed": 7, "max_tokens": 4}
+    parts = split_n(CHAT, body)
+    assert parts is not None and [p["seed"] for p in parts] == [7, 8, 9]
+    assert all("n" not in p and p["max_tokens"] == 4 for p in parts)
+    assert split_n(CHAT, {"n": 1}) is None and split_n("/v1/embeddings", {"n": 3}) is None
+    assert split_n(CHAT, {"n": MAX_EXPANDED_N + 1}) is None
+    assert len(split_n("/v1/completions", {"prompt": "x", "n": 2}) or []) == 2
+
+
+def test_merge_indexes_choices_and_sums_usage() -> None:
+    def reply(text: str, cached: int) -> bytes:
+        return orjson.dumps(
+            {
+                "id": f"id-{text}",
+                "object": "chat.completion",
+                "model": "m",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}],
+                "usage": {
+                    "prompt_tokens": 10,
+                    "completion_tokens": 4,
+                    "total_tokens": 14,
+                    "prompt_tokens_details": {"cached_tokens": cached},
+                },
+            }
+        )
+
+    merged = orjson.loads(merge_choices([reply("a", 0), reply("b", 8), reply("c", 8)]))
+    assert merged["id"] == "id-a" and merged["object"] == "chat.completion"
+    assert [(c["index"], c["message"]["content"]) for c in merged["choices"]] == [(0, "a"), (1, "b"), (2, "c")]
+    assert merged["usage"] == {
+        "prompt_tokens": 30,
+        "completion_tokens": 12,
+        "total_tokens": 42,
+        "prompt_tokens_details": {"cached_tokens": 16},
+    }
+
+
+@pytest.mark.slow
+def test_expanded_request_on_the_mocker_comes_back_as_one_response(fleet: Any) -> None:
+    body = {
+        "model": "tiny-chat",
+        "messages": [{"role": "user", "content": "Say something about prefix caches. " * 40}],
+        "max_tokens": 5,
+        "n": 3,
+    }
+
+    async def both() -> tuple[FleetReply, FleetReply]:
+        client = FleetClient([fleet.base_url], timeout_s=60.0)
+        try:
+            plain = await post_request(client, CHAT, body, expand_n=False)
+            expanded = await post_request(client, CHAT, body, expand_n=True)
+            return plain, expanded
+        finally:
+            await client.aclose()
+
+    plain, expanded = asyncio.run(both())
+    assert plain.status_code == expanded.status_code == 200 and not expanded.transient
+    assert len(orjson.loads(plain.body)["choices"]) == 1  # the mocker ignores n
+    merged = orjson.loads(expanded.body)
+    assert [c["index"] for c in merged["choices"]] == [0, 1, 2]
+    assert merged["usage"]["completion_tokens"] == 15
+    one_prompt = orjson.loads(plain.body)["usage"]["prompt_tokens"]
+    assert merged["usage"]["prompt_tokens"] == 3 * one_prompt
+    # Sent together, the samples share the prompt's blocks (this prompt was also sent just before).
+    assert merged["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_a_failed_sample_fails_the_line(fleet: Any) -> None:
+    body = {"model": "no-such-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "n": 2}
+
+    async def send() -> FleetReply:
+        client = FleetClient([fleet.base_url], timeout_s=60.0)
+        try:
+            return await post_request(client, CHAT, body, expand_n=True)
+        finally:
+            await client.aclose()
+
+    reply = asyncio.run(send())
+    assert reply.status_code == 404 and "choices" not in orjson.loads(reply.body)
