@@ -56,8 +56,9 @@ def test_a_result_the_database_refuses_spends_an_attempt_and_spares_the_rest(scr
     batch_id = running_batch(6, token=TOKEN)
     with unit_of_work() as s:
         s.query(type(lines_of(batch_id)[0])).filter_by(batch_id=batch_id, line=6).update({"attempts": 2})
-    # Usage the columns cannot hold (a 32-bit integer): the database refuses that one result.
-    poison = _reply(prompt_tokens=2**40)
+    # A status the column cannot hold (a 32-bit integer): the database refuses that one result.
+    # (Absurd usage figures no longer do: they are clamped when the reply is parsed.)
+    poison = FleetReply(2**40, _reply().body, None, 0.01, transient=False)
     items = [Done(_claimed(batch_id, n), _reply()) for n in range(1, 5)]
     items += [Done(_claimed(batch_id, 5), poison), Done(_claimed(batch_id, 6, attempts=2), poison)]
     recorder = Recorder(holder=TOKEN, max_attempts=3, patience_s=5, finish_by=lambda: None)
