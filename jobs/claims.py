@@ -48,12 +48,14 @@ def claim_requests(
 
     Lines go in prefix-tree order (`jobs.prefixes`): the requests under one prefix together,
     a prompt before the prompts extending it, and a line whose `after_line` has not finished
-    waits (an agent trace's turns run one after another). Lines under a prefix that the team's
-    other running batches of the same model have in flight go first, so batches sharing
-    prefixes share the cache too. With `kv_budget_tokens` (the fleet's KV cache open to batch
-    work), new sharing work (a prefix group, an agent session) starts only while what is in
-    flight fits it (each shared prefix counted once, plus each line's own tokens, plus the
-    context of every session between two turns); lines sharing nothing are not held back.
+    waits (an agent trace's turns run one after another). A prefix new to the fleet goes with
+    one line first, the others once it has warmed the cache (PREFIX_WARM_S). Lines under a
+    prefix that the team's other running batches of the same model have in flight go first, so
+    batches sharing prefixes share the cache too. With `kv_budget_tokens` (the fleet's KV cache
+    open to batch work), new sharing work (a prefix group, an agent session) starts only while
+    what is in flight fits it (each shared prefix counted once, plus each line's own tokens,
+    plus the context of every session between two turns); lines sharing nothing are not held
+    back. The batches and how many lines each get are the planner's choice, made before.
     """
     now = now or utcnow()
     batch = session.get(Batch, batch_id)

@@ -20,8 +20,10 @@ From a batch's paths, `plan_prefix_order` derives per line:
   agent trace's previous turn): released only once that one has finished, so its blocks are
   in the cache and the router knows where;
 - `prefix_hash` and `prefix_tokens`: the deepest tree node this line shares with another line
-  of the batch, and how many tokens that node holds: the KV that line shares, for sizing how
-  many requests may be in flight together (`jobs.claims`).
+  of the batch (its own n completions count), and how many tokens that node holds;
+- `kv_tokens` (`session_kv`): the most KV the line's work holds, its prompt and outputs, or
+  for an agent trace's turn the largest context of its session, which stays in the cache from
+  the first turn to the last. These size how much may be in flight together (`jobs.claims`).
 """
 
 from __future__ import annotations
