@@ -18,32 +18,9 @@ from jobs.replies import Outcome, Usage
 from jobs.results import record_outcome
 from jobs.usage import align, usage_totals
 from jobs.validation import ValidationResult, apply_validation
+from tests.factories import make_batch
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-
-
-def _batch(
-    session: Session, team: Team, *, lines: int, model: str = "m", status: BatchStatus = BatchStatus.in_progress
-) -> Batch:
-    now = utcnow()
-    batch = Batch(
-        team_id=team.id,
-        input_file_id="f",
-        endpoint="/v1/chat/completions",
-        model=model,
-        completion_window="24h",
-        status=status,
-        created_at=now,
-        expires_at=now + timedelta(hours=24),
-        total=lines,
-        price_version=billing.current_price_version(session),
-    )
-    session.add(batch)
-    session.flush()
-    for line in range(1, lines + 1):
-        session.add(BatchRequest(batch_id=batch.id, line=line, custom_id=f"r{line}", offset=0, length=1))
-    session.flush()
-    return batch
 
 
 def _price(session: Session, model: str, **extra: Any) -> Price:
@@ -63,7 +40,7 @@ def test_each_request_is_billed_once_at_the_price_of_its_batch(db: sessionmaker[
         s.add(team)
         s.flush()
         v1 = _price(s, "m")
-        batch_id = _batch(s, team, lines=3).id
+        batch_id = make_batch(s, team, lines=3).id
         # A new price after the batch was created does not touch it.
         billing.set_price(s, model="m", input_micros=9_000_000, cached_input_micros=9_000_000, output_micros=9_000_000)
     with db.begin() as s:
@@ -128,11 +105,11 @@ def test_quota_fails_validation_with_the_numbers(db: sessionmaker[Session]) -> N
         team = Team(name="q")
         s.add(team)
         s.flush()
-        running = _batch(s, team, lines=1)
+        running = make_batch(s, team, lines=1)
         running.token_estimate = 600
-        _batch(s, team, lines=1, model="other").token_estimate = 10_000  # another model: not counted
+        make_batch(s, team, lines=1, model="other").token_estimate = 10_000  # another model: not counted
         quotas.set_quota(s, team_id=team.id, model="m", max_enqueued_tokens=1000, max_concurrent_batches=None)
-        new = _batch(s, team, lines=0, status=BatchStatus.validating)
+        new = make_batch(s, team, lines=0, status=BatchStatus.validating)
         new_id, team_id = new.id, team.id
     result = ValidationResult(
         model="m",
@@ -163,7 +140,7 @@ def test_usage_buckets(db: sessionmaker[Session]) -> None:
         team = Team(name="u")
         s.add(team)
         s.flush()
-        batch = _batch(s, team, lines=0)
+        batch = make_batch(s, team, lines=0)
         for line, (offset_s, model) in enumerate([(0, "m"), (3599, "m"), (3600, "m"), (7300, "x")], start=1):
             s.add(
                 UsageLedgerEntry(

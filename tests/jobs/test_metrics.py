@@ -4,7 +4,6 @@ for a rolled-back or repeated write), and the scrape-time reads count batches an
 from __future__ import annotations
 
 import secrets
-from datetime import timedelta
 
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
@@ -12,31 +11,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from jobs import billing
 from jobs.claims import claim_requests
 from jobs.metrics import batches_by_status, lines_by_state, usage_metrics
-from jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
+from jobs.models import BatchStatus, Team
 from jobs.replies import Outcome, Usage
 from jobs.results import record_outcomes
-
-
-def _batch(session: Session, team: Team, *, lines: int, status: BatchStatus = BatchStatus.in_progress) -> str:
-    now = utcnow()
-    batch = Batch(
-        team_id=team.id,
-        input_file_id="f",
-        endpoint="/v1/chat/completions",
-        model="m",
-        completion_window="24h",
-        status=status,
-        created_at=now,
-        expires_at=now + timedelta(hours=24),
-        total=lines,
-        price_version=billing.current_price_version(session),
-    )
-    session.add(batch)
-    session.flush()
-    for line in range(1, lines + 1):
-        session.add(BatchRequest(batch_id=batch.id, line=line, custom_id=f"r{line}", offset=0, length=1))
-    session.flush()
-    return batch.id
+from tests.factories import make_batch
 
 
 def _counted(team: str) -> tuple[float, float, float, float]:
@@ -55,7 +33,7 @@ def test_tokens_and_cost_are_counted_once_the_ledger_commits(db: sessionmaker[Se
         s.add(team)
         s.flush()
         billing.set_price(s, model="m", input_micros=1_000_000, cached_input_micros=500_000, output_micros=2_000_000)
-        batch_id = _batch(s, team, lines=2)
+        batch_id = make_batch(s, team, lines=2).id
         claim_requests(s, batch_id=batch_id, limit=2, claim_token="c")
 
     with pytest.raises(RuntimeError), db.begin() as s:
@@ -82,9 +60,9 @@ def test_batches_by_status_and_lines_by_state(db: sessionmaker[Session]) -> None
         team = Team(name=f"lines-{secrets.token_hex(4)}")
         s.add(team)
         s.flush()
-        running = _batch(s, team, lines=10)
-        _batch(s, team, lines=4, status=BatchStatus.completed)  # finished: not in the line counts
-        _batch(s, team, lines=0, status=BatchStatus.validating)
+        running = make_batch(s, team, lines=10).id
+        make_batch(s, team, lines=4, status=BatchStatus.completed)  # finished: not in the line counts
+        make_batch(s, team, lines=0, status=BatchStatus.validating)
         claim_requests(s, batch_id=running, limit=6, claim_token="c")
     with db.begin() as s:
         record_outcomes(s, claim_token="c", results=[(running, 1, ok), (running, 2, ok), (running, 3, refused)])

@@ -17,32 +17,16 @@ from jobs.models import Batch, BatchRequest, BatchStatus, RequestState, Team, ut
 from jobs.replies import Outcome, Usage
 from jobs.results import record_outcomes
 from jobs.sweeps import batches_to_finalize, expire_overdue
+from tests.factories import make_batch
 
 
 def _batch(session: Session, *, lines: int, status: BatchStatus = BatchStatus.in_progress) -> str:
+    """A batch of a team of its own, with a price for its model."""
     team = Team(name=f"t-{utcnow().timestamp()}")
     session.add(team)
     session.flush()
     billing.set_price(session, model="m", input_micros=1_000_000, cached_input_micros=0, output_micros=2_000_000)
-    now = utcnow()
-    batch = Batch(
-        team_id=team.id,
-        input_file_id="f",
-        endpoint="/v1/chat/completions",
-        model="m",
-        completion_window="24h",
-        status=status,
-        created_at=now,
-        expires_at=now + timedelta(hours=24),
-        total=lines,
-        price_version=billing.current_price_version(session),
-    )
-    session.add(batch)
-    session.flush()
-    for line in range(1, lines + 1):
-        session.add(BatchRequest(batch_id=batch.id, line=line, custom_id=f"r{line}", offset=0, length=1))
-    session.flush()
-    return batch.id
+    return make_batch(session, team, lines=lines, status=status).id
 
 
 def _ledger_rows(session: Session, batch_id: str) -> int:
