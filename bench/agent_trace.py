@@ -57,6 +57,26 @@ class TraceSpec:
     seed: int = 7
 
 
+# Named traces for the harvest benchmark, so a control law is judged on more than one shape.
+# `agent`: 14 s bursts of 10 sessions every 30 s with a 1.2K-token shared system prompt.
+# `lulls`: long even waves (20 s of bursts, 20 s of near silence) of sessions with twice the
+# system prompt and larger tool outputs: fewer, heavier prefills and longer idle stretches.
+TRACES: dict[str, TraceSpec] = {
+    "agent": TraceSpec(duration_s=120.0, cycle_s=30.0, burst_s=14.0),
+    "lulls": TraceSpec(
+        duration_s=120.0,
+        cycle_s=40.0,
+        burst_s=20.0,
+        burst_sessions=8,
+        quiet_sessions=0,
+        system_tokens=2400,
+        tool_tokens=(600, 1500),
+        max_tokens=(80, 160),
+        seed=11,
+    ),
+}
+
+
 def build_trace(spec: TraceSpec) -> list[Session]:
     rng = random.Random(spec.seed)
     sessions: list[Session] = []

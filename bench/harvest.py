@@ -327,22 +327,32 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ceiling", type=int, default=128, help="the controller's upper bound")
     p.add_argument("--runs", default="a,b,s,c", help="which runs (a always runs: it sets the SLO)")
     p.add_argument("--duration", type=float, default=0.0, help="override the trace length (s)")
+    p.add_argument(
+        "--trace", default="agent", help="interactive trace: agent (default) or lulls (bench/agent_trace.py)"
+    )
     p.add_argument("--out", default=str(ROOT / "bench" / "out"))
     p.add_argument("--keep", action="store_true", help="keep the raw per-request records (printed path)")
     a = p.parse_args(argv)
 
-    from bench.agent_trace import TraceSpec
+    from bench.agent_trace import TRACES
 
+    if a.trace not in TRACES:
+        p.error(f"--trace: one of {', '.join(TRACES)}")
+    spec = asdict(TRACES[a.trace])
     if a.quick:
-        spec = asdict(TraceSpec(duration_s=50.0, cycle_s=25.0, burst_s=12.0))
+        spec.update(duration_s=50.0, cycle_s=spec["cycle_s"] * 5 / 6, burst_s=spec["burst_s"] * 6 / 7)
         sweep = [int(x) for x in (a.sweep or "4,8,16").split(",")]
     else:
-        spec = asdict(TraceSpec(duration_s=120.0, cycle_s=30.0, burst_s=14.0))
         sweep = [int(x) for x in (a.sweep or "4,8,12,16,24,32").split(",")]
     if a.duration:
         spec["duration_s"] = a.duration
     runs = set(a.runs.split(","))
-    variant = ("disagg" if a.disagg else "agg") + f"-kv{a.kv_bytes_per_token}" + ("-quick" if a.quick else "")
+    variant = (
+        ("disagg" if a.disagg else "agg")
+        + f"-kv{a.kv_bytes_per_token}"
+        + ("" if a.trace == "agent" else f"-{a.trace}")
+        + ("-quick" if a.quick else "")
+    )
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="harvest-"))
