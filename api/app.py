@@ -16,7 +16,7 @@ from api.access_log import AccessLog
 from api.errors import install_error_handlers
 from api.limits import BodyLimit, UploadGate
 from api.ratelimit import RateLimit
-from api.routes import admin, batches, dashboard, files, models, ops, partial, usage, webhooks
+from api.routes import admin, batches, dashboard, files, forecast, models, ops, partial, usage, webhooks
 from jobs.teams import ensure_key
 from storage.db import unit_of_work
 from storage.settings import get_settings
@@ -50,7 +50,7 @@ def create_app() -> FastAPI:
     app.add_middleware(UploadGate)
     app.add_middleware(RateLimit)
     app.add_middleware(AccessLog)  # outermost: it logs every answer, a 429 or 413 too
-    for module in (files, batches, models, usage, admin, partial, webhooks, dashboard, ops):
+    for module in (files, batches, models, usage, admin, partial, forecast, webhooks, dashboard, ops):
         app.include_router(module.router)
     app.include_router(dashboard.page)  # the page and its two assets: not API routes
 

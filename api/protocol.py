@@ -1,5 +1,6 @@
 """The wire schemas, in one place: OpenAI's Files, Batches and Models objects, the one error
-envelope, and the organization API (projects, API keys, prices, quotas, usage and costs).
+envelope, the organization API (projects, API keys, prices, quotas, usage and costs), and
+backfill's extensions (a batch's cost so far, the fleet's batch throughput).
 
 Routes declare these as response models, so the app's own OpenAPI document says what it
 returns; a test holds that document to OpenAI's published schemas. Fields follow OpenAI's
@@ -310,3 +311,42 @@ class CompletionsUsagePage(BucketPage[CompletionsUsageResult]):
 
 class CostsPage(BucketPage[CostsResult]):
     pass
+
+
+# -- Extensions: a batch's cost so far, the fleet's batch throughput ------------------------------
+# (The price in force for a model and window is the organization's `Price` object above.)
+
+
+class BatchCost(BaseModel):
+    """What a batch has cost so far, from the usage ledger: executed requests only (failed,
+    cancelled and expired lines cost nothing). The amount is an exact decimal string in
+    currency units, as prices are."""
+
+    object: Literal["batch.cost"]
+    batch_id: str
+    amount: str
+    currency: str
+    price_id: int | None  # the price the batch is billed at; null: none was in force (billed at zero)
+    requests: int  # billed requests so far
+    input_tokens: int
+    cached_tokens: int
+    output_tokens: int
+
+
+class BatchThroughput(BaseModel):
+    """The fleet's recent batch throughput and the work queued, summed over every team."""
+
+    object: Literal["batch.throughput"]
+    at: int  # Unix time of the measurement
+    window_s: int  # the figures are for the last `window_s` seconds
+    model: str | None  # the model the figures are for; null: every model
+    requests: int  # batch requests executed in the window
+    tokens: int  # their prompt + completion tokens
+    requests_per_second: float  # averaged over the whole window
+    tokens_per_second: float
+    busy_s: int  # the part of the window in which batch results were recorded (10 s steps)
+    busy_requests_per_second: float  # averaged over the busy part: the rate while batch work ran
+    busy_tokens_per_second: float
+    queued_requests: int  # lines of in-progress batches not finished yet
+    queued_tokens: int  # their share of their batches' token estimates (prompt + max output)
+    running_batches: int  # in-progress batches with lines left

@@ -1,9 +1,10 @@
 """`backfill batch ...`: a user's batches, over HTTP, on any backfill (or OpenAI-compatible) server.
 
-Everything goes through the official `openai` SDK, the client users' own code talks to, so the
-CLI needs nothing from the server that the OpenAI API does not offer (`estimate` aside, which
-validates locally by the server's rules). Every command takes `--json`. A server error ends in
-one line and exit status 2; a batch that `--wait` sees end failed, expired or cancelled exits 1.
+Everything goes through the official `openai` SDK, the client users' own code talks to. What
+backfill adds (a batch's cost so far; the cost and completion forecast of `estimate`, which
+validates locally by the server's rules) comes from its extension routes and is left out where
+a server has none. Every command takes `--json`. A server error ends in one line and exit
+status 2; a batch that `--wait` sees end failed, expired or cancelled exits 1.
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ from typing import IO, TYPE_CHECKING, Annotated, Any, ParamSpec, TypeVar, cast
 
 import typer
 
-from backfill.batch_follow import TERMINAL_STATUSES, detail_lines, progress_text, summary_lines, wait_for_end, when
+from backfill.batch_follow import (
+    TERMINAL_STATUSES,
+    CostReader,
+    detail_lines,
+    progress_text,
+    summary_lines,
+    wait_for_end,
+    when,
+)
 
 if TYPE_CHECKING:
     import openai
@@ -120,20 +129,27 @@ def _create(
     )
 
 
-def _follow(client: openai.OpenAI, batch: Batch, *, as_json: bool) -> Batch:
-    """Wait for the end (a progress bar unless --json), print the outcome, exit 1 unless completed."""
+def _follow(client: openai.OpenAI, batch: Batch, *, as_json: bool) -> tuple[Batch, dict[str, Any] | None]:
+    """Wait for the end (a progress bar unless --json), print the outcome; the final batch and cost."""
     from rich.console import Console
 
     if not as_json:
         typer.echo(batch.id)
     try:
-        final = wait_for_end(client, batch.id, console=None if as_json else Console(stderr=True))
+        final, cost = wait_for_end(client, batch.id, console=None if as_json else Console(stderr=True))
     except KeyboardInterrupt:
         raise _fail(f"stopped following; the batch goes on: backfill batch status {batch.id}", 130) from None
     if not as_json:
-        for line in summary_lines(final):
+        for line in summary_lines(final, cost):
             typer.echo(line)
-    return final
+    return final, cost
+
+
+def _with_cost(batch: Batch, cost: dict[str, Any] | None) -> dict[str, Any]:
+    """The batch object as the server sent it, plus `cost`: its cost so far (the server's
+    `batch.cost` without `object` and `batch_id`), null where the server publishes none."""
+    extra = {k: v for k, v in cost.items() if k not in ("object", "batch_id")} if cost is not None else None
+    return {**batch.to_dict(), "cost": extra}
 
 
 def _exit_for(batch: Batch) -> None:
@@ -159,13 +175,14 @@ def submit(
     with file.open("rb") as content:
         batch = _create(client, content, name=file.name, endpoint=endpoint, window=window, metadata=pairs)
     if wait:
-        batch = _follow(client, batch, as_json=as_json)
-    if as_json:
-        _echo_json(batch.to_dict())
-    elif not wait:
-        typer.echo(batch.id)
-    if wait:
+        batch, cost = _follow(client, batch, as_json=as_json)
+        if as_json:
+            _echo_json(_with_cost(batch, cost))
         _exit_for(batch)
+    elif as_json:
+        _echo_json(batch.to_dict())
+    else:
+        typer.echo(batch.id)
 
 
 @batch_app.command("list")
@@ -200,12 +217,14 @@ def list_batches(
 def status(
     batch_id: BatchArg, base_url: BaseUrlOption = None, api_key: ApiKeyOption = None, as_json: JsonOption = False
 ) -> None:
-    """Everything about one batch, validation errors with their line numbers."""
-    batch = _client(base_url, api_key).batches.retrieve(batch_id)
+    """Everything about one batch, its cost so far, validation errors with their line numbers."""
+    client = _client(base_url, api_key)
+    batch = client.batches.retrieve(batch_id)
+    cost = CostReader(client).read(batch.id)
     if as_json:
-        _echo_json(batch.to_dict())
+        _echo_json(_with_cost(batch, cost))
         return
-    for line in detail_lines(batch):
+    for line in detail_lines(batch, cost):
         typer.echo(line)
 
 
@@ -263,16 +282,16 @@ def estimate(
     api_key: ApiKeyOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Dry run: validate FILE by the server's rules, estimate tokens and cost; create nothing.
-
-    Exits 1 if any line is invalid. The cost needs a key that may read prices (an admin key).
+    """Dry run: validate FILE by the server's rules, estimate tokens, cost at current prices and
+    completion at the fleet's recent batch throughput; create nothing. Exits 1 if any line is invalid.
     """
-    from backfill.batch_estimate import add_cost, estimate_file, report_lines
+    from backfill.batch_estimate import add_cost, add_forecast, estimate_file, report_lines
 
     client = _client(base_url, api_key)
     served = {m.id for m in client.models.list()}
     result = estimate_file(file, endpoint=endpoint, served_models=served)
     add_cost(result, client, window=window)
+    add_forecast(result, client)
     if as_json:
         _echo_json(result.as_json())
     else:
@@ -324,10 +343,11 @@ def retry_failed(
     if not as_json:
         typer.echo(f"retrying {len(found)} lines of {source.id}")
     if wait:
-        batch = _follow(client, batch, as_json=as_json)
-    if as_json:
-        _echo_json({"source_batch": source.id, "lines": len(found), "batch": batch.to_dict()})
-    elif not wait:
-        typer.echo(batch.id)
-    if wait:
+        batch, cost = _follow(client, batch, as_json=as_json)
+        if as_json:
+            _echo_json({"source_batch": source.id, "lines": len(found), "batch": _with_cost(batch, cost)})
         _exit_for(batch)
+    elif as_json:
+        _echo_json({"source_batch": source.id, "lines": len(found), "batch": batch.to_dict()})
+    else:
+        typer.echo(batch.id)

@@ -2,16 +2,17 @@
 (`jobs.validation.validate_lines`) against the models the server serves, without creating a batch.
 
 Limits are the server's defaults (the API publishes no limits route), so a server configured
-with smaller ones can still refuse a file this passes. The cost is shown when the key may read
-the price list (an admin key); a completion forecast needs the fleet's batch throughput, which
-no route publishes yet.
+with smaller ones can still refuse a file this passes. The cost is at the price a batch created
+now would be billed at (`GET /v1/batch_price`), an upper bound (every request's output at its
+max tokens); the completion forecast is at the fleet's recent batch throughput with the work
+queued ahead (`GET /v1/batch_throughput`). Both extension routes take any team key.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
     import openai
 
 CHUNK_BYTES = 1 << 20
-FORECAST_MISSING = "needs a route publishing the fleet's batch throughput"
 
 
 @dataclass
@@ -37,9 +37,12 @@ class Estimate:
     errors: list[dict[str, Any]] = field(default_factory=list)
     cost: str | None = None  # an upper bound: every request's output at its max tokens
     currency: str | None = None
+    price_id: int | None = None  # the price the cost is at
     cost_note: str | None = None  # why there is no cost, when there is none
-    forecast: str | None = None
-    forecast_note: str | None = FORECAST_MISSING
+    throughput: dict[str, Any] | None = None  # the server's `batch.throughput`, as published
+    forecast: datetime | None = None  # when the file would be done
+    forecast_seconds: float | None = None
+    forecast_note: str | None = "not asked for"  # why there is no forecast, when there is none
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -48,9 +51,18 @@ class Estimate:
             "model": self.model,
             "prompt_tokens": self.prompt_tokens,
             "max_output_tokens": self.max_output_tokens,
-            "cost": {"amount": self.cost, "currency": self.currency} if self.cost is not None else None,
+            "cost": (
+                {"amount": self.cost, "currency": self.currency, "price_id": self.price_id}
+                if self.cost is not None
+                else None
+            ),
             "cost_note": self.cost_note,
-            "completion_forecast": self.forecast,
+            "throughput": self.throughput,
+            "completion_forecast": (
+                {"at": self.forecast.isoformat(), "in_seconds": round(self.forecast_seconds, 3)}
+                if self.forecast is not None and self.forecast_seconds is not None
+                else None
+            ),
             "completion_forecast_note": self.forecast_note,
             "errors": self.errors,
         }
@@ -97,43 +109,36 @@ def estimate_file(path: Path, *, endpoint: str, served_models: set[str] | None) 
     )
 
 
-def _price_in_force(rows: list[dict[str, Any]], *, model: str, window: str, now: float) -> dict[str, Any] | None:
-    """The server's choice (`jobs.billing.price_in_force`): a window-specific price wins over the
-    general one, then the latest effective, then the newest."""
-    candidates = [
-        p
-        for p in rows
-        if p.get("model") == model
-        and p.get("effective_from", 0) <= now
-        and p.get("completion_window") in (window, None)
-    ]
-    if not candidates:
-        return None
-    return min(candidates, key=lambda p: (p["completion_window"] is None, -p["effective_from"], -p["id"]))
+def _extension(client: openai.OpenAI, path: str, params: dict[str, str | int]) -> tuple[dict[str, Any] | None, str]:
+    """GET one of backfill's extension routes: (the object, "") or (None, why not).
+
+    A 404 in backfill's envelope with a code is the route's own answer (`price_not_found`); one
+    without (an unknown URL) means the server has no such route (not a backfill server, or an old one).
+    """
+    import openai
+
+    try:
+        body = client.get(path, cast_to=object, options={"params": params})
+    except openai.APIStatusError as exc:
+        error = exc.body if isinstance(exc.body, dict) else {}
+        if exc.status_code == 404 and error.get("code") is None:
+            return None, f"the server has no {path} route"
+        message = " ".join(str(error.get("message") or exc.message).split())
+        return None, f"HTTP {exc.status_code}: {message}"
+    return (body, "") if isinstance(body, dict) else (None, f"{path} answered {type(body).__name__}, not an object")
 
 
 def add_cost(estimate: Estimate, client: openai.OpenAI, *, window: str) -> None:
-    """Price the estimate at the prices in force now, if this key may read them."""
-    import openai
-
+    """Price the estimate at the price a batch created now would be billed at (`GET /batch_price`,
+    readable with any key), with the server's own arithmetic (`jobs.billing.price_request`)."""
     from jobs import billing
 
     if estimate.model is None:
         estimate.cost_note = "no model to price"
         return
-    try:
-        page = client.get("/organization/prices", cast_to=object, options={"params": {"model": estimate.model}})
-    except openai.APIStatusError as exc:
-        if exc.status_code in (401, 403, 404):
-            estimate.cost_note = (
-                f"prices are not readable with this key (HTTP {exc.status_code}; they need an admin key)"
-            )
-            return
-        raise
-    rows = page.get("data", []) if isinstance(page, dict) else []
-    price = _price_in_force(rows, model=estimate.model, window=window, now=time.time())
+    price, why = _extension(client, "/batch_price", {"model": estimate.model, "completion_window": window})
     if price is None:
-        estimate.cost_note = f"no price is set for {estimate.model!r}"
+        estimate.cost_note = why
         return
     rates = billing.Rates(
         input=billing.parse_money(price["input"], param="input"),
@@ -146,6 +151,59 @@ def add_cost(estimate: Estimate, client: openai.OpenAI, *, window: str) -> None:
     )
     estimate.cost = billing.format_micros(cost.total_micros)
     estimate.currency = price.get("currency")
+    estimate.price_id = price.get("id")
+
+
+def add_forecast(estimate: Estimate, client: openai.OpenAI) -> None:
+    """Forecast completion at the fleet's recent batch throughput (`GET /batch_throughput`, for
+    the file's model when it has one): now + (the tokens queued ahead + this file's) / the tokens
+    per second batch work got while it ran."""
+    from jobs.forecast import completion_forecast
+
+    params: dict[str, str | int] = {"model": estimate.model} if estimate.model else {}
+    throughput, why = _extension(client, "/batch_throughput", params)
+    if throughput is None:
+        estimate.forecast_note = why
+        return
+    estimate.throughput = {k: v for k, v in throughput.items() if k != "object"}
+    forecast = completion_forecast(
+        now=datetime.fromtimestamp(throughput["at"], tz=UTC),
+        tokens=estimate.prompt_tokens + estimate.max_output_tokens,
+        queued_tokens=throughput["queued_tokens"],
+        tokens_per_second=throughput["busy_tokens_per_second"],
+        window_s=throughput["window_s"],
+    )
+    if forecast.at is None or forecast.seconds is None:
+        estimate.forecast_note = f"unknown: {forecast.reason}"
+        return
+    estimate.forecast = forecast.at
+    estimate.forecast_seconds = forecast.seconds
+    estimate.forecast_note = None
+
+
+def _duration(seconds: float) -> str:
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {secs:02d}s" if minutes else f"{secs}s"
+
+
+def _cost_text(estimate: Estimate) -> str:
+    text = f"at most {estimate.cost} {estimate.currency}" if estimate.cost is not None else "-"
+    return text + (f" ({estimate.cost_note})" if estimate.cost_note else "")
+
+
+def _forecast_text(estimate: Estimate) -> str:
+    if estimate.forecast is None or estimate.forecast_seconds is None or estimate.throughput is None:
+        note = estimate.forecast_note or ""
+        return f"unknown ({note.removeprefix('unknown: ')})" if note.startswith("unknown") else f"- ({note})"
+    t = estimate.throughput
+    local = estimate.forecast.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    return (
+        f"~{local}, in {_duration(estimate.forecast_seconds)}"
+        f" ({estimate.prompt_tokens + estimate.max_output_tokens:,} + {t['queued_tokens']:,} queued tokens"
+        f" at {t['busy_tokens_per_second']:,.1f} tok/s, the busy rate over the last {t['window_s']}s)"
+    )
 
 
 def report_lines(estimate: Estimate) -> list[str]:
@@ -154,10 +212,8 @@ def report_lines(estimate: Estimate) -> list[str]:
         f"model             : {estimate.model or '-'}",
         f"prompt tokens     : ~{estimate.prompt_tokens:,} (estimated)",
         f"max output tokens : {estimate.max_output_tokens:,}",
-        f"cost              : {f'at most {estimate.cost} {estimate.currency}' if estimate.cost else '-'}"
-        + (f" ({estimate.cost_note})" if estimate.cost_note else ""),
-        f"completion        : {estimate.forecast or '-'}"
-        + (f" ({estimate.forecast_note})" if estimate.forecast_note else ""),
+        f"cost              : {_cost_text(estimate)}",
+        f"completion        : {_forecast_text(estimate)}",
     ]
     if estimate.errors:
         lines.append(f"errors ({len(estimate.errors)}):")

@@ -1,12 +1,16 @@
 """Following a batch and describing it: the live progress bar of `batch submit --wait`, the
-summary at its end, and the details `batch status` prints."""
+summary at its end, and the details `batch status` prints.
+
+The cost so far comes from backfill's extension route `GET /v1/batches/{id}/cost` (any team
+key); against a server without it (OpenAI's), the cost is simply not shown.
+"""
 
 from __future__ import annotations
 
 import time
 from collections import deque
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -42,6 +46,34 @@ class TokenRate:
         return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
 
 
+class CostReader:
+    """The batch's cost so far (`batch.cost`, as the server publishes it), or None once the server
+    has said it has no such route (a 404 outside backfill's own envelope codes, or a 405)."""
+
+    def __init__(self, client: openai.OpenAI) -> None:
+        self.client = client
+        self.supported = True
+
+    def read(self, batch_id: str) -> dict[str, Any] | None:
+        import openai
+
+        if not self.supported:
+            return None
+        try:
+            body = self.client.get(f"/batches/{batch_id}/cost", cast_to=object)
+        except openai.APIStatusError as exc:
+            error = exc.body if isinstance(exc.body, dict) else {}
+            if exc.status_code == 405 or (exc.status_code == 404 and error.get("code") is None):
+                self.supported = False
+                return None
+            raise
+        return body if isinstance(body, dict) else None
+
+
+def cost_text(cost: dict[str, Any] | None) -> str:
+    return f"{cost['amount']} {cost['currency']}" if cost is not None else "-"
+
+
 def total_tokens(batch: Batch) -> int:
     return batch.usage.total_tokens if batch.usage is not None else 0
 
@@ -59,28 +91,39 @@ def when(unix_s: int | None) -> str:
     return datetime.fromtimestamp(unix_s).astimezone().strftime("%Y-%m-%d %H:%M:%S") if unix_s else "-"
 
 
-def wait_for_end(client: openai.OpenAI, batch_id: str, *, console: Console | None, poll_s: float = POLL_S) -> Batch:
-    """Poll until the batch reaches a terminal status; with a console, draw the progress bar on it."""
+def wait_for_end(
+    client: openai.OpenAI, batch_id: str, *, console: Console | None, poll_s: float = POLL_S
+) -> tuple[Batch, dict[str, Any] | None]:
+    """Poll until the batch reaches a terminal status; with a console, draw the progress bar on
+    it (with the cost so far, read again whenever the batch's tokens move). Returns the final
+    batch and its final cost (None where the server publishes no cost)."""
+    costs = CostReader(client)
     batch = client.batches.retrieve(batch_id)
     if console is None:
         while batch.status not in TERMINAL_STATUSES:
             time.sleep(poll_s)
             batch = client.batches.retrieve(batch_id)
-        return batch
+        return batch, costs.read(batch_id)
     rate = TokenRate()
     columns = (
         TextColumn("[bold]{task.fields[status]:<11}"),
         BarColumn(),
         TextColumn("{task.fields[counts]}"),
         TextColumn("{task.fields[rate]}"),
+        TextColumn("{task.fields[cost]}"),
         TimeElapsedColumn(),
         TextColumn("ETA"),
         TimeRemainingColumn(),
     )
+    cost: dict[str, Any] | None = None
+    priced_at_tokens = -1
     with Progress(*columns, console=console) as bar:
-        task = bar.add_task(batch_id, total=None, status="", counts="", rate="")
+        task = bar.add_task(batch_id, total=None, status="", counts="", rate="", cost="")
         while True:
-            rate.add(time.monotonic(), total_tokens(batch))
+            tokens = total_tokens(batch)
+            rate.add(time.monotonic(), tokens)
+            if tokens != priced_at_tokens or batch.status in TERMINAL_STATUSES:
+                cost, priced_at_tokens = costs.read(batch_id), tokens
             counts = batch.request_counts
             bar.update(
                 task,
@@ -89,9 +132,10 @@ def wait_for_end(client: openai.OpenAI, batch_id: str, *, console: Console | Non
                 status=batch.status,
                 counts=progress_text(batch),
                 rate=f"{rate.per_second:,.0f} tok/s",
+                cost=cost_text(cost) if cost is not None else "",
             )
             if batch.status in TERMINAL_STATUSES:
-                return batch
+                return batch, cost
             time.sleep(poll_s)
             batch = client.batches.retrieve(batch_id)
 
@@ -110,8 +154,8 @@ def _error_lines(batch: Batch) -> list[str]:
     ]
 
 
-def summary_lines(batch: Batch) -> list[str]:
-    """What a finished `--wait` prints: outcome, counts, tokens, throughput, files, errors."""
+def summary_lines(batch: Batch, cost: dict[str, Any] | None = None) -> list[str]:
+    """What a finished `--wait` prints: outcome, counts, tokens, throughput, cost, files, errors."""
     counts = batch.request_counts
     lines = [f"{batch.id} {batch.status}"]
     ended = _ended_at(batch)
@@ -123,6 +167,8 @@ def summary_lines(batch: Batch) -> list[str]:
     if batch.usage is not None and batch.usage.total_tokens:
         throughput = f" ({batch.usage.total_tokens / elapsed:,.0f} tok/s)" if elapsed else ""
         lines.append(f"  tokens   : {batch.usage.input_tokens} in, {batch.usage.output_tokens} out{throughput}")
+    if cost is not None:
+        lines.append(f"  cost     : {cost_text(cost)}")
     lines.append(f"  output   : {batch.output_file_id or '-'}")
     lines.append(f"  errors   : {batch.error_file_id or '-'}")
     if batch.output_file_id or batch.error_file_id:
@@ -130,8 +176,9 @@ def summary_lines(batch: Batch) -> list[str]:
     return lines + _error_lines(batch)
 
 
-def detail_lines(batch: Batch) -> list[str]:
-    """Everything the server says about a batch, timestamps in local time, errors with their lines."""
+def detail_lines(batch: Batch, cost: dict[str, Any] | None = None) -> list[str]:
+    """Everything the server says about a batch (its cost so far too, where the server publishes
+    it), timestamps in local time, errors with their lines."""
     usage = batch.usage
     rows: list[tuple[str, object]] = [
         ("id", batch.id),
@@ -156,6 +203,8 @@ def detail_lines(batch: Batch) -> list[str]:
                 f"{usage.total_tokens} total",
             )
         )
+    if cost is not None:
+        rows.append(("cost", f"{cost_text(cost)} so far ({cost['requests']} billed requests)"))
     if batch.metadata:
         rows.append(("metadata", ", ".join(f"{k}={v}" for k, v in sorted(batch.metadata.items()))))
     for label in (

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -158,18 +159,24 @@ def test_estimate_reports_every_bad_line_and_creates_nothing(stack: Stack, clien
     assert {(e["line"], e["code"]) for e in report["errors"]} == {(3, "invalid_json_line"), (5, "invalid_method")}
     assert report["lines"] == 6 and report["requests"] == 4 and report["model"] == MODEL
     assert report["max_output_tokens"] == 4 * 8 and report["prompt_tokens"] > 0
-    assert report["cost"] is None and "admin" in report["cost_note"]  # a team key may not read prices
     assert client.batches.list(limit=1).data == newest
 
     # The served models come from the server: a model it does not serve is an error on its line.
     other = write_jsonl(tmp_path / "other.jsonl", [chat_line(1), chat_line(2)])
     assert bf(stack, "estimate", str(other)).exit_code == 0
     unknown = write_jsonl(tmp_path / "unknown.jsonl", [chat_line(1, model="no-such-model")])
-    errors = bf_json(stack, "estimate", str(unknown), exit_code=1)["errors"]
-    assert [(e["line"], e["code"]) for e in errors] == [(1, "model_not_found")]
+    report = bf_json(stack, "estimate", str(unknown), exit_code=1)
+    assert [(e["line"], e["code"]) for e in report["errors"]] == [(1, "model_not_found")]
+    # Nothing prices or runs that model: no cost, and no forecast, each with the reason.
+    assert report["cost"] is None and "No price is in force for model 'no-such-model'" in report["cost_note"]
+    assert report["completion_forecast"] is None
+    assert report["completion_forecast_note"].startswith("unknown: the fleet finished no batch work in the last")
+    assert report["throughput"]["model"] == "no-such-model" and report["throughput"]["tokens_per_second"] == 0
+    shown = bf(stack, "estimate", str(unknown))
+    assert "completion        : unknown (the fleet finished no batch work" in shown.stdout
 
 
-def test_estimate_prices_with_an_admin_key(stack: Stack, tmp_path: Path) -> None:
+def test_team_key_sees_cost_so_far_and_an_estimate_with_cost_and_forecast(stack: Stack, tmp_path: Path) -> None:
     admin = stack.env["BACKFILL_ADMIN_API_KEY"]
     # A price for the 1h window only, so batches of other tests (24h) keep their prices.
     r = httpx.post(
@@ -178,13 +185,49 @@ def test_estimate_prices_with_an_admin_key(stack: Stack, tmp_path: Path) -> None
         json={"model": MODEL, "completion_window": "1h", "input": "2", "cached_input": "1", "output": "10"},
     )
     assert r.status_code == 200, r.text
+    price_id = r.json()["id"]
     src = write_jsonl(tmp_path / "ok.jsonl", [chat_line(i, max_tokens=7) for i in range(10)])
-    report = bf_json(stack, "estimate", str(src), "--window", "1h", key=admin)
+    # Everything below with the team's key (stack.key), which may not read the price list.
+    report = bf_json(stack, "estimate", str(src), "--window", "1h")
     assert report["errors"] == [] and report["max_output_tokens"] == 70
     # At the batch discount (50%): 1 micro per prompt token, 5 per output token.
     micros = report["prompt_tokens"] + 5 * 70
-    assert report["cost"] == {"amount": f"0.{micros:06d}", "currency": "usd"}
-    assert report["completion_forecast"] is None and report["completion_forecast_note"]
+    assert report["cost"] == {"amount": f"0.{micros:06d}", "currency": "usd", "price_id": price_id}
+
+    # A batch runs with the team key: the progress bar and the summary show its cost so far.
+    shown = bf(stack, "submit", str(src), "--window", "1h", "--wait")
+    assert shown.exit_code == 0, shown.output
+    batch_id = shown.stdout.splitlines()[0]
+    status = bf_json(stack, "status", batch_id)
+    cost, usage = status["cost"], status["usage"]
+    assert status["status"] == "completed" and cost["currency"] == "usd" and cost["price_id"] == price_id
+    assert (cost["requests"], cost["input_tokens"], cost["output_tokens"]) == (
+        10,
+        usage["input_tokens"],
+        usage["output_tokens"],
+    )
+    # Each request's components are rounded to the micro once: within half a micro per request.
+    cached = usage["input_tokens_details"]["cached_tokens"]
+    exact = usage["input_tokens"] - cached + cached / 2 + 5 * usage["output_tokens"]
+    assert abs(round(float(cost["amount"]) * 1_000_000) - exact) <= 10 / 2
+    assert f"{cost['amount']} usd" in shown.stderr  # the live progress bar
+    assert f"  cost     : {cost['amount']} usd" in shown.stdout  # the summary
+    assert f"cost         {cost['amount']} usd so far (10 billed requests)" in bf(stack, "status", batch_id).stdout
+
+    # Now that batch work has run, the estimate forecasts completion at the fleet's throughput.
+    before = time.time()
+    report = bf_json(stack, "estimate", str(src), "--window", "1h")
+    throughput, forecast = report["throughput"], report["completion_forecast"]
+    assert throughput["model"] == MODEL and throughput["requests"] >= 10 and throughput["busy_s"] >= 10
+    assert throughput["busy_tokens_per_second"] >= throughput["tokens_per_second"] > 0
+    assert forecast is not None and report["completion_forecast_note"] is None
+    tokens = report["prompt_tokens"] + report["max_output_tokens"] + throughput["queued_tokens"]
+    assert forecast["in_seconds"] == pytest.approx(tokens / throughput["busy_tokens_per_second"], abs=1e-3)
+    at = datetime.fromisoformat(forecast["at"]).timestamp()
+    assert at == pytest.approx(throughput["at"] + forecast["in_seconds"], abs=1e-3) and at >= before - 1
+    text = bf(stack, "estimate", str(src), "--window", "1h").stdout
+    assert "completion        : ~" in text and "tok/s, the busy rate over the last 300s)" in text
+    assert f"cost              : at most 0.{micros:06d} usd" in text
 
 
 def test_retry_failed_resubmits_exactly_the_failed_lines(stack: Stack, client: Any, tmp_path: Path) -> None:

@@ -1,0 +1,112 @@
+"""Extensions for following and planning batches, readable with any team key:
+
+- `GET /v1/batches/{batch_id}/cost`: what the batch has cost so far (the usage ledger), scoped to
+  the caller's team like the Batches routes (another team's batch answers their 404).
+- `GET /v1/batch_price?model=&completion_window=`: the price a batch created now would be billed
+  at (`jobs.billing.price_in_force` at the current price version), as the organization's price object.
+- `GET /v1/batch_throughput`: the fleet's batch throughput over a recent window and the work
+  queued in in-progress batches, summed over every team; the CLI forecasts completion from it.
+
+The OpenAI routes are untouched: these are separate paths. The numbers come from `jobs.forecast`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+
+from api.deps import CurrentPrincipal, DbSession
+from api.errors import COMMON_ERRORS, error_responses
+from api.org_wire import price_out
+from api.protocol import BatchCost, BatchThroughput, Price
+from api.wire import batch_id_in, batch_id_out, ts
+from jobs import batches as batch_service
+from jobs import forecast
+from jobs.billing import CURRENCY, format_micros
+from jobs.errors import InvalidRequest, NotFound
+from storage.settings import get_settings
+
+router = APIRouter(prefix="/v1", tags=["batches"], responses=error_responses(*COMMON_ERRORS))
+
+
+def _model_query() -> Any:
+    """A model name as a batch line may give it: no control characters (Postgres refuses NUL)."""
+    return Query(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")
+
+
+@router.get("/batches/{batch_id}/cost")
+def batch_cost(batch_id: str, principal: CurrentPrincipal, session: DbSession) -> BatchCost:
+    """What the batch has cost so far: the sum of its usage ledger entries (executed requests;
+    failed, cancelled and expired lines cost nothing), at the price in force when it was created."""
+    batch = batch_service.get_batch(session, team_id=principal.team_id, batch_id=batch_id_in(batch_id))
+    cost = forecast.cost_so_far(session, batch)
+    return BatchCost(
+        object="batch.cost",
+        batch_id=batch_id_out(batch.id),
+        amount=format_micros(cost.cost_micros),
+        currency=CURRENCY,
+        price_id=cost.price.id if cost.price is not None else None,
+        requests=cost.requests,
+        input_tokens=cost.prompt_tokens,
+        cached_tokens=cost.cached_tokens,
+        output_tokens=cost.completion_tokens,
+    )
+
+
+@router.get("/batch_price")
+def batch_price(
+    _: CurrentPrincipal,
+    session: DbSession,
+    model: Annotated[str, _model_query()],
+    completion_window: str = "24h",
+) -> Price:
+    """The price a batch of `model` created now with `completion_window` would be billed at: the
+    window's own price if one is set, else the general one. 404 (`price_not_found`) when none is
+    in force: such a batch's usage would be recorded at zero cost."""
+    windows = get_settings().completion_window_seconds
+    if completion_window not in windows:
+        raise InvalidRequest(
+            f"Invalid completion_window {completion_window!r}: supported are {', '.join(sorted(windows))}.",
+            param="completion_window",
+        )
+    price = forecast.price_now(session, model=model, completion_window=completion_window)
+    if price is None:
+        raise NotFound(
+            f"No price is in force for model {model!r} and completion window {completion_window!r}.",
+            param="model",
+            code="price_not_found",
+        )
+    return price_out(price)
+
+
+@router.get("/batch_throughput")
+def batch_throughput(
+    _: CurrentPrincipal,
+    session: DbSession,
+    window_s: Annotated[int, Query(ge=forecast.MIN_WINDOW_S, le=forecast.MAX_WINDOW_S)] = forecast.DEFAULT_WINDOW_S,
+    model: Annotated[str | None, _model_query()] = None,
+) -> BatchThroughput:
+    """Batch requests and tokens the fleet executed over the last `window_s` seconds (every team,
+    one model if `model` is given), per second over the whole window and over its busy part (the
+    10 s steps in which results were recorded), and the lines left in in-progress batches with
+    their share of the batches' token estimates (from the batches' counters, as the scheduler
+    sees them). Completion of new work is about
+    now + (queued_tokens + its tokens) / busy_tokens_per_second; unknown while that is 0."""
+    numbers = forecast.batch_throughput(session, window_s=window_s, model=model)
+    return BatchThroughput(
+        object="batch.throughput",
+        at=ts(numbers.at),
+        window_s=numbers.window_s,
+        model=model,
+        requests=numbers.requests,
+        tokens=numbers.tokens,
+        requests_per_second=numbers.requests_per_second,
+        tokens_per_second=numbers.tokens_per_second,
+        busy_s=numbers.busy_s,
+        busy_requests_per_second=numbers.busy_requests_per_second,
+        busy_tokens_per_second=numbers.busy_tokens_per_second,
+        queued_requests=numbers.queued_requests,
+        queued_tokens=numbers.queued_tokens,
+        running_batches=numbers.running_batches,
+    )
