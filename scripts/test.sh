@@ -12,9 +12,14 @@ PYTHON=${PYTHON:-python3.11}
 .venv/bin/python -m devfleet install
 # A real browser for the dashboard's page tests: Debian's Chromium (Playwright cannot download
 # its own builds here). Without apt rights everything else still runs; those tests then skip.
+# Debian's Prometheus, to run the Grafana dashboard's queries against a real scrape.
 if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 \
     || echo "could not install chromium: the dashboard's browser tests will skip" >&2
+fi
+if [ ! -x /usr/bin/prometheus ] && command -v apt-get >/dev/null 2>&1; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } \
+    >/dev/null 2>&1 || echo "could not install prometheus: the dashboard query tests will skip" >&2
 fi
 .venv/bin/ruff check .
 .venv/bin/mypy
