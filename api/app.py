@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
+from sqlalchemy.exc import IntegrityError
 
 from api.access_log import AccessLog
 from api.errors import install_error_handlers
@@ -22,13 +23,21 @@ from storage.db import unit_of_work
 from storage.settings import get_settings
 
 
-def install_configured_keys() -> None:
+def install_configured_keys(tries: int = 3) -> None:
+    """Idempotent; API processes starting side by side (replicas, hosts) may race to create the
+    same team or key: the loser's insert fails on the unique key, and a second pass finds theirs."""
     settings = get_settings()
-    with unit_of_work() as session:
-        if settings.bootstrap_api_key:
-            ensure_key(session, team_name="default", raw_key=settings.bootstrap_api_key)
-        if settings.admin_api_key:
-            ensure_key(session, team_name="admin", raw_key=settings.admin_api_key, is_admin=True)
+    for left in range(tries - 1, -1, -1):
+        try:
+            with unit_of_work() as session:
+                if settings.bootstrap_api_key:
+                    ensure_key(session, team_name="default", raw_key=settings.bootstrap_api_key)
+                if settings.admin_api_key:
+                    ensure_key(session, team_name="admin", raw_key=settings.admin_api_key, is_admin=True)
+            return
+        except IntegrityError:
+            if not left:
+                raise
 
 
 @asynccontextmanager

@@ -15,17 +15,22 @@ Faults (by default only on POST: telemetry and model listing pass through untouc
 
 Rules apply in the order given; a request takes the first active one. Counters in `stats`
 tell a test how many requests met each fault, so a test can show its faults really happened.
+
+Given several upstreams it is also a small round-robin load balancer (one address in front of
+several API processes, as on two hosts): each request goes to the next upstream in turn, and one
+that refuses the connection is skipped for the next (`stats["failed_over"]`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import socket
 import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -59,13 +64,17 @@ class _Rule:
 class FaultProxy:
     def __init__(
         self,
-        upstream: str,
+        upstream: str | Sequence[str],
         *,
         host: str = LOOPBACK,
         port: int = 0,
         methods: Iterable[str] = ("POST",),
     ) -> None:
-        self.upstream = upstream.rstrip("/")
+        self.upstreams = [u.rstrip("/") for u in ([upstream] if isinstance(upstream, str) else upstream)]
+        if not self.upstreams:
+            raise ValueError("no upstream")
+        self.upstream = self.upstreams[0]
+        self._turn = itertools.count()
         self.host = host
         self.port = port
         self.methods = frozenset(m.upper() for m in methods)
@@ -232,11 +241,20 @@ class FaultProxy:
         the reply's body goes back: "stalled" (the connection is to be held); "upstream_failed"."""
         assert self._client is not None
         headers = [(k, v) for k, v in head.headers if k.lower() not in HOP_BY_HOP and k.lower() != b"content-length"]
-        request = self._client.build_request(
-            head.method.decode(), self.upstream + head.target.decode(), headers=headers, content=body
-        )
+        first = next(self._turn)
         try:
-            resp = await self._client.send(request, stream=True)
+            for k in range(len(self.upstreams)):
+                upstream = self.upstreams[(first + k) % len(self.upstreams)]
+                request = self._client.build_request(
+                    head.method.decode(), upstream + head.target.decode(), headers=headers, content=body
+                )
+                try:
+                    resp = await self._client.send(request, stream=True)
+                    break
+                except httpx.ConnectError:
+                    if k == len(self.upstreams) - 1:
+                        raise
+                    self._count("failed_over")  # nothing reached that one: the next may take it
         except httpx.HTTPError as exc:
             self._count("upstream_failed")
             message = f'{{"error":{{"message":"fault proxy: upstream {type(exc).__name__}"}}}}'

@@ -1,18 +1,26 @@
 """The one admission point: every fleet request holds a capacity lease while in flight.
 
-The limit is whatever the capacity controller last published (it lapses if the controller
-stops), else the configured floor when telemetry is required, else the fixed bound. The
-controller may also publish a shed target: in-flight batch requests above it are aborted by
-their drains and requeued (batch requests are idempotent). What batch requests observe
-(latency, tokens, 429/503) flows back to the controller through shared counters.
+Each fleet deployment (`BACKFILL_FLEET_URLS` may name several, e.g. one per datacenter) has a
+lease pool, a limit and a shed target of its own, and a lease is for one deployment: the request
+holding it goes there and nowhere else, so what is in flight at a deployment never exceeds its
+own limit, and a busy deployment's small limit never holds back an idle one. Deployment 0 keeps
+the plain names (`fleet`, `limit:fleet`), so one deployment looks as it always did.
+
+The limit is whatever the capacity controller last published for that deployment (it lapses if
+the controller stops), else the configured floor when telemetry is required, else the fixed
+bound (`BACKFILL_MAX_INFLIGHT`, per deployment). The controller may also publish a shed target:
+in-flight batch requests above it are aborted by their drains and requeued (batch requests are
+idempotent). What batch requests observe (latency, tokens, 429/503) flows back to that
+deployment's controller through shared counters.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +32,23 @@ SHED_KEY = "shed:fleet"
 RATE_KEY = "rate:fleet"  # batch tokens/s (prompt + output) the fleet currently gives batch work
 OBS_KEY = "obs:fleet"
 OVERLOAD_STATUS = frozenset({429, 503})
+
+
+def pool_of(deployment: int) -> str:
+    """The lease pool of a deployment (by its index in `BACKFILL_FLEET_URLS`)."""
+    return POOL if deployment == 0 else f"{POOL}:{deployment}"
+
+
+def limit_key(deployment: int) -> str:
+    return f"limit:{pool_of(deployment)}"
+
+
+def shed_key(deployment: int) -> str:
+    return f"shed:{pool_of(deployment)}"
+
+
+def obs_key(deployment: int) -> str:
+    return f"obs:{pool_of(deployment)}"
 
 
 @dataclass(frozen=True)
@@ -48,9 +73,9 @@ class ObservationLog:
     process sees what drains in worker processes saw. Without Redis (embedded mode) they stay in
     this process and the controller there relies on the fleet's telemetry alone."""
 
-    def __init__(self, store: LeaseStore) -> None:
+    def __init__(self, store: LeaseStore, *, key: str = OBS_KEY) -> None:
         self._redis: Any = getattr(store, "r", None)
-        self._key = f"{getattr(store, 'ns', 'backfill')}:{OBS_KEY}"
+        self._key = f"{getattr(store, 'ns', 'backfill')}:{key}"
         self._lock = threading.Lock()
         self._pending = dict.fromkeys(OBS_FIELDS, 0.0)
         self._local = dict.fromkeys(OBS_FIELDS, 0.0)
@@ -95,6 +120,7 @@ class Admission:
         controlled: bool = False,
         floor: int = 0,
         observer: Callable[[Observation], None] | None = None,
+        deployments: int = 1,
     ) -> None:
         self.leases = leases
         self.fixed_limit = fixed_limit
@@ -102,21 +128,24 @@ class Admission:
         self.controlled = controlled
         self.floor = floor
         self.observer = observer
-        self.log = ObservationLog(leases)
+        self.deployments = max(1, deployments)
+        self.logs = [ObservationLog(leases, key=obs_key(d)) for d in range(self.deployments)]
+        self.log = self.logs[0]
         self._last_flush = 0.0
+        self._turn = 0
 
-    def limit(self) -> int:
+    def limit(self, deployment: int = 0) -> int:
         if not self.controlled:
             return self.fixed_limit
-        published = self.leases.read(LIMIT_KEY)
+        published = self.leases.read(limit_key(deployment))
         # Fail closed: with no fresh word from the controller, only the floor is released.
         return int(published) if published is not None and published.isdigit() else self.floor
 
-    def shed_target(self) -> int | None:
+    def shed_target(self, deployment: int = 0) -> int | None:
         """In-flight batch requests the controller wants at most, right now (None: no shedding)."""
         if not self.controlled:
             return None
-        published = self.leases.read(SHED_KEY)
+        published = self.leases.read(shed_key(deployment))
         return int(published) if published is not None and published.isdigit() else None
 
     def batch_rate(self) -> float | None:
@@ -127,31 +156,77 @@ class Admission:
         except ValueError:
             return None
 
-    async def acquire(self, n: int, *, wait_s: float, cancel: Callable[[], bool] | None = None) -> list[str]:
-        """Up to n leases; waits (polling) up to wait_s for at least one, or until `cancel()`."""
+    async def acquire(
+        self, n: int, *, wait_s: float, cancel: Callable[[], bool] | None = None, deployment: int = 0
+    ) -> list[str]:
+        """Up to n leases of one deployment; waits (polling) up to wait_s for at least one, or
+        until `cancel()`."""
+
+        async def only(_: int) -> dict[int, int]:
+            return {deployment: n}
+
+        return [lease for lease, _ in await self.acquire_spread(n, wait_s=wait_s, cancel=cancel, room=only)]
+
+    async def acquire_spread(
+        self,
+        n: int,
+        *,
+        wait_s: float,
+        cancel: Callable[[], bool] | None = None,
+        room: Callable[[int], Awaitable[dict[int, int]]] | None = None,
+    ) -> list[tuple[str, int]]:
+        """Up to n leases spread over the deployments: (lease id, deployment) pairs. `room(n)` says
+        how many each deployment may take now (one whose circuit is open: none, or one probe);
+        by default every deployment may take all. Each round asks the deployments in turn for an
+        even share of what is still wanted, so the room one leaves goes to the next. Waits
+        (polling) up to wait_s for at least one lease, or until `cancel()`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         delay = 0.01
         while True:
             if cancel is not None and cancel():
                 return []
-            limit = await asyncio.to_thread(self.limit)
-            granted = await asyncio.to_thread(self.leases.acquire, POOL, limit=limit, n=n, ttl_s=self.ttl_s)
+            granted = await asyncio.to_thread(self._take_round, n, await room(n) if room else None)
             if granted or loop.time() >= deadline:
                 return granted
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
 
-    async def release(self, lease_ids: list[str]) -> None:
-        await asyncio.to_thread(self.leases.release, POOL, lease_ids)
+    def _take_round(self, n: int, room: dict[int, int] | None) -> list[tuple[str, int]]:
+        start, self._turn = self._turn, self._turn + 1
+        order = [(start + k) % self.deployments for k in range(self.deployments)]
+        if room is not None:
+            order = [d for d in order if room.get(d, 0) > 0]
+        out: list[tuple[str, int]] = []
+        for k, d in enumerate(order):
+            want = math.ceil((n - len(out)) / (len(order) - k))
+            if room is not None:
+                want = min(want, room[d])
+            if want <= 0:
+                continue
+            ids = self.leases.acquire(pool_of(d), limit=self.limit(d), n=want, ttl_s=self.ttl_s)
+            out += [(lease, d) for lease in ids]
+        return out
 
-    def observe(self, obs: Observation) -> None:
-        self.log.record(obs)
+    async def release(self, lease_ids: list[str], deployment: int = 0) -> None:
+        await asyncio.to_thread(self.leases.release, pool_of(deployment), lease_ids)
+
+    def observe(self, obs: Observation, deployment: int = 0) -> None:
+        self.logs[deployment if deployment < self.deployments else 0].record(obs)
         if self.observer is not None:
             self.observer(obs)
+
+    def totals(self) -> dict[str, float]:
+        """The observation counters summed over every deployment."""
+        out = dict.fromkeys(OBS_FIELDS, 0.0)
+        for log in self.logs:
+            for name, value in log.totals().items():
+                out[name] += value
+        return out
 
     def flush_observations(self, every_s: float = 0.25) -> None:
         now = time.monotonic()
         if now - self._last_flush >= every_s:
             self._last_flush = now
-            self.log.flush()
+            for log in self.logs:
+                log.flush()

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from scheduler.admission import LIMIT_KEY, POOL, RATE_KEY, SHED_KEY, ObservationLog
+from scheduler.admission import RATE_KEY, ObservationLog, limit_key, obs_key, pool_of, shed_key
 from scheduler.leases import LeaseStore
 from scheduler.metrics import record_decision
 from scheduler.telemetry import FleetSnapshot, FleetTelemetry, KvModel
@@ -256,7 +256,8 @@ class Controller:
 
 
 class CapacityLoop:
-    """Runs the controller every period: scrape, decide, publish (limit, shed target, rate)."""
+    """Runs the controller of one deployment every period: scrape its telemetry, decide, publish
+    its limit and shed target (and, with `publish_rate`, the fleet's batch rate)."""
 
     def __init__(
         self,
@@ -266,11 +267,15 @@ class CapacityLoop:
         *,
         observations: ObservationLog | None = None,
         on_decision: Callable[[float, Decision], None] | None = None,
+        deployment: int = 0,
+        publish_rate: bool = True,
     ) -> None:
         self.controller = controller
         self.telemetry = telemetry
         self.leases = leases
-        self.observations = observations or ObservationLog(leases)
+        self.deployment = deployment
+        self.publish_rate = publish_rate
+        self.observations = observations or ObservationLog(leases, key=obs_key(deployment))
         self.on_decision = on_decision
         self._last_totals: dict[str, float] | None = None
         self._last_at = time.monotonic()
@@ -304,13 +309,14 @@ class CapacityLoop:
         obs = self._obs_delta(now)
         if obs.dt_s > 0:  # in the units of the batches' token estimates: prompt + output
             self._rate = 0.9 * self._rate + 0.1 * (obs.prompt_tokens + obs.completion_tokens) / obs.dt_s
-        decision = self.controller.step(snap, self.leases.count(POOL), obs, now)
+        decision = self.controller.step(snap, self.leases.count(pool_of(self.deployment)), obs, now)
         # The limit lives a few periods: if this loop stops, admission falls back to the floor.
         ttl = max(1.0, 4 * period)
-        self.leases.publish(LIMIT_KEY, str(decision.limit), ttl_s=ttl)
+        self.leases.publish(limit_key(self.deployment), str(decision.limit), ttl_s=ttl)
         if decision.shed_to is not None:
-            self.leases.publish(SHED_KEY, str(decision.shed_to), ttl_s=max(0.5, 2 * period))
-        self.leases.publish(RATE_KEY, f"{self._rate:.1f}", ttl_s=60.0)
+            self.leases.publish(shed_key(self.deployment), str(decision.shed_to), ttl_s=max(0.5, 2 * period))
+        if self.publish_rate:
+            self.leases.publish(RATE_KEY, f"{self._rate:.1f}", ttl_s=60.0)
         record_decision(decision)
         if self.on_decision is not None:
             self.on_decision(time.time(), decision)
@@ -331,7 +337,7 @@ class CapacityLoop:
                     "queue",
                     "wake",
                 ):
-                    log.info("capacity %s: limit %d shed %s", d.reason, d.limit, d.shed_to)
+                    log.info("capacity %s: %s limit %d shed %s", d.reason, pool_of(self.deployment), d.limit, d.shed_to)
                 last_reason = d.reason
             except Exception:
                 log.exception("capacity step failed")
@@ -343,8 +349,8 @@ class CapacityLoop:
         """Take back the published limit and shed target at once (rather than let them lapse a few
         periods later): with no controller, admission falls back to the floor (fail closed)."""
         try:
-            self.leases.withdraw(LIMIT_KEY)
-            self.leases.withdraw(SHED_KEY)
+            self.leases.withdraw(limit_key(self.deployment))
+            self.leases.withdraw(shed_key(self.deployment))
             log.info("capacity controller stopped: limit withdrawn, admission falls back to the floor")
         except Exception:
             log.warning(
@@ -352,6 +358,58 @@ class CapacityLoop:
                 4 * self.controller.cfg.period_s,
                 exc_info=True,
             )
+
+
+class FleetCapacityLoop:
+    """One controller per deployment, each on its own deployment's telemetry, leases and
+    observations, stepped together from one thread: a deployment whose interactive traffic
+    leaves no room gets a small limit, and that limit holds back nothing that goes elsewhere.
+    The fleet's batch rate (for the planner's completion estimates) is their sum."""
+
+    def __init__(self, loops: list[CapacityLoop]) -> None:
+        if not loops:
+            raise ValueError("no deployment to control")
+        self.loops = loops
+        for loop in loops:
+            loop.publish_rate = False
+
+    @property
+    def period_s(self) -> float:
+        return min(loop.controller.cfg.period_s for loop in self.loops)
+
+    def once(self) -> dict[int, Decision]:
+        """One step of every deployment's controller: their decisions, by deployment."""
+        decisions = {}
+        for loop in self.loops:
+            try:
+                decisions[loop.deployment] = loop.once()
+            except Exception:
+                log.exception("capacity step of %s failed", pool_of(loop.deployment))
+        self.loops[0].leases.publish(RATE_KEY, f"{sum(loop._rate for loop in self.loops):.1f}", ttl_s=60.0)
+        return decisions
+
+    def run(self, stop: threading.Event) -> None:
+        last: dict[int, str] = {}
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                for deployment, d in self.once().items():
+                    if d.reason != last.get(deployment) and d.reason in _LOGGED:
+                        log.info("capacity %s: %s limit %d shed %s", d.reason, pool_of(deployment), d.limit, d.shed_to)
+                    last[deployment] = d.reason
+            except Exception:
+                log.exception("capacity step failed")
+            stop.wait(max(0.0, self.period_s - (time.monotonic() - started)))
+        self.withdraw()
+        for loop in self.loops:
+            loop.telemetry.close()
+
+    def withdraw(self) -> None:
+        for loop in self.loops:
+            loop.withdraw()
+
+
+_LOGGED = ("no-telemetry", "overload", "surge", "over-slo", "queue", "wake")
 
 
 def shed_count(total: int, target: int, mine: int) -> int:

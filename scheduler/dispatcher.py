@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,8 @@ from redis.exceptions import RedisError
 
 from jobs.claims import ClaimedRequest, claim_requests
 from jobs.replies import normalise_body, usage_from_body
-from scheduler.admission import POOL, Admission, Observation
+from scheduler.admission import Admission, Observation, pool_of
+from scheduler.breaker import BreakerState
 from scheduler.capacity import shed_count
 from scheduler.fleet import FleetClient, FleetReply
 from scheduler.leases import LeaseStore
@@ -95,7 +97,9 @@ class Dispatcher:
             holder=self.holder, max_attempts=max_attempts, patience_s=db_patience_s, finish_by=self._finish_by
         )
         self._inflight: set[asyncio.Task[None]] = set()
-        self._calls: dict[asyncio.Task[FleetReply], float] = {}  # in-flight fleet calls, by start time
+        # In-flight fleet calls: (start time, the deployment whose lease each holds).
+        self._calls: dict[asyncio.Task[FleetReply], tuple[float, int]] = {}
+        self._on: Counter[int] = Counter()  # this drain's lines in hand, per deployment
         self._stop_seen_at: float | None = None
         self._leases_down_since: float | None = None
         self._claim_in_doubt = False  # a claim failed on the connection: it may have committed
@@ -174,7 +178,9 @@ class Dispatcher:
                 await self.recorder.wait_for_db(until=lambda: time.monotonic() >= deadline or self._stopping())
                 continue
             try:
-                leases = await self.admission.acquire(CLAIM_GROUP, wait_s=0.5, cancel=self._stopping)
+                leases = await self.admission.acquire_spread(
+                    CLAIM_GROUP, wait_s=0.5, cancel=self._stopping, room=self._room
+                )
                 self._lease_store_up()
             except RedisError:
                 self._lease_store_down("taking leases")
@@ -216,9 +222,12 @@ class Dispatcher:
                     await self.recorder.put(Done(request, None))
                 await asyncio.sleep(1.0)
                 continue
-            for request, lease in zip(claimed, leases, strict=False):
-                self._held[lease] = POOL
-                task = asyncio.create_task(self._send(request, lease, bodies[(request.batch_id, request.line)]))
+            for request, (lease, deployment) in zip(claimed, leases, strict=False):
+                self._held[lease] = pool_of(deployment)
+                self._on[deployment] += 1
+                task = asyncio.create_task(
+                    self._send(request, lease, deployment, bodies[(request.batch_id, request.line)])
+                )
                 self._inflight.add(task)
                 task.add_done_callback(self._inflight.discard)
 
@@ -235,13 +244,25 @@ class Dispatcher:
                 return
             await asyncio.wait(self._inflight, timeout=0.1)
 
-    async def _give_back(self, leases: list[str]) -> None:
-        if not leases:
-            return
+    async def _give_back(self, leases: list[tuple[str, int]]) -> None:
+        by_deployment: dict[int, list[str]] = {}
+        for lease, deployment in leases:
+            by_deployment.setdefault(deployment, []).append(lease)
         try:
-            await self.admission.release(leases)
+            for deployment, ids in by_deployment.items():
+                await self.admission.release(ids, deployment)
         except RedisError:
             self._lease_store_down("releasing leases; they lapse by themselves")
+
+    async def _room(self, n: int) -> dict[int, int]:
+        """How many leases each deployment may give this drain now: all it wants while its circuit
+        is closed; while open or half-open, one (a line to wait for the probe with) unless this
+        drain already has a line there, so lines go to the healthy deployments instead."""
+        try:
+            states = await self.fleet.states()
+        except (RedisError, OSError):  # Redis away: the breakers decide locally when a line is sent
+            states = [BreakerState.closed] * self.fleet.deployments
+        return {d: n if state is BreakerState.closed else (0 if self._on[d] else 1) for d, state in enumerate(states)}
 
     def _lease_store_down(self, what: str) -> None:
         """Log the first failure of an outage only: the lease store is used many times a second."""
@@ -261,17 +282,23 @@ class Dispatcher:
             await asyncio.sleep(every_s)
             try:
                 await asyncio.to_thread(self.admission.flush_observations)
-                target = await asyncio.to_thread(self.admission.shed_target)
-                if target is None or not self._calls:
-                    continue
-                total = await asyncio.to_thread(self.leases.count, POOL)
-                k = shed_count(total, target, len(self._calls))
-                if k:
-                    youngest = sorted(self._calls, key=self._calls.__getitem__, reverse=True)[:k]
-                    for call in youngest:
-                        self._calls.pop(call, None)  # counted once, even if the abort is slow
-                        call.cancel()
-                    log.info("shed %d in-flight requests (fleet %d > target %d)", k, total, target)
+                for deployment in range(self.admission.deployments):
+                    mine = {c: t for c, (t, d) in self._calls.items() if d == deployment}
+                    if not mine:
+                        continue
+                    target = await asyncio.to_thread(self.admission.shed_target, deployment)
+                    if target is None:
+                        continue
+                    total = await asyncio.to_thread(self.leases.count, pool_of(deployment))
+                    k = shed_count(total, target, len(mine))
+                    if k:
+                        youngest = sorted(mine, key=mine.__getitem__, reverse=True)[:k]
+                        for call in youngest:
+                            self._calls.pop(call, None)  # counted once, even if the abort is slow
+                            call.cancel()
+                        log.info(
+                            "shed %d in-flight requests (%s %d > target %d)", k, pool_of(deployment), total, target
+                        )
             except RedisError:
                 self._lease_store_down("shed check")
             except Exception:
@@ -315,7 +342,7 @@ class Dispatcher:
                     out[(r.batch_id, r.line)] = self.store.read_range(key, r.offset, r.length)
         return out
 
-    async def _send(self, request: ClaimedRequest, lease: str, raw: bytes) -> None:
+    async def _send(self, request: ClaimedRequest, lease: str, deployment: int, raw: bytes) -> None:
         reply: FleetReply | None = None
         call: asyncio.Task[FleetReply] | None = None
         try:
@@ -325,11 +352,13 @@ class Dispatcher:
                 body = orjson.loads(raw)["body"]
                 # Only the fleet call itself can be shed; recording the outcome always runs.
                 body = add_routing_hints(body, self.hint_mode)
-                call = asyncio.create_task(post_request(self.fleet, request.endpoint, body, expand_n=self.expand_n))
-                self._calls[call] = time.monotonic()
+                call = asyncio.create_task(
+                    post_request(self.fleet, request.endpoint, body, expand_n=self.expand_n, deployment=deployment)
+                )
+                self._calls[call] = (time.monotonic(), deployment)
                 reply = await call
                 self.sent += 1
-                self._observe(reply)
+                self._observe(reply, deployment)
                 record_fleet_reply(reply)
         except asyncio.CancelledError:
             if call is None or not call.cancelled():
@@ -345,10 +374,11 @@ class Dispatcher:
             if call is not None:
                 self._calls.pop(call, None)
             self._held.pop(lease, None)
-            await self._give_back([lease])
+            self._on[deployment] -= 1
+            await self._give_back([(lease, deployment)])
         await self.recorder.put(Done(request, reply))
 
-    def _observe(self, reply: FleetReply) -> None:
+    def _observe(self, reply: FleetReply, deployment: int) -> None:
         usage = usage_from_body(normalise_body(reply.body)[1]) if reply.status_code == 200 else None
         self.admission.observe(
             Observation(
@@ -357,7 +387,8 @@ class Dispatcher:
                 reply.transient,
                 prompt_tokens=usage.prompt_tokens if usage else 0,
                 completion_tokens=usage.completion_tokens if usage else 0,
-            )
+            ),
+            deployment,
         )
 
     async def _keepalive(self) -> None:
@@ -368,7 +399,7 @@ class Dispatcher:
                 # Both are upserts while the store recovers from a loss of its data: a Redis that
                 # restarted empty gets this drain's heartbeat and leases back within a period.
                 await asyncio.to_thread(self.leases.heartbeat, self.holder, ttl_s=self.admission.ttl_s)
-                for pool in (POOL, DRAIN_POOL):
+                for pool in {DRAIN_POOL, *self._held.values()}:
                     ids = [lease for lease, p in self._held.items() if p == pool]
                     await asyncio.to_thread(self.leases.renew, pool, ids, ttl_s=self.admission.ttl_s)
             except RedisError:

@@ -3,7 +3,9 @@ base URLs, `BACKFILL_FLEET_URLS`), with a circuit breaker per deployment (`sched
 
 Each request goes to the next deployment in turn whose breaker lets it through. A request that
 could not even connect is tried on the next deployment at once: it never reached the fleet, so
-nothing runs twice. While no deployment will take it (circuits open, connections refused) a call
+nothing runs twice. A request sent under a deployment's capacity lease (`deployment=`) goes to
+that deployment only: refused, it comes back unsent (its line requeued without spending an
+attempt) rather than land on another deployment beyond that one's limit. While no deployment will take it (circuits open, connections refused) a call
 waits (at most `open_wait_s`) for a breaker to let it through: the drain backs off instead of
 spending attempts on a fleet known to be down.
 """
@@ -95,13 +97,23 @@ class FleetClient:
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
 
-    async def post(self, endpoint: str, body: dict[str, Any]) -> FleetReply:
-        """POST a batch line's body to the same path on a deployment (`/v1/...` under its base URL)."""
+    @property
+    def deployments(self) -> int:
+        return len(self._urls)
+
+    async def states(self) -> list[BreakerState]:
+        """Each deployment's circuit, as every worker sees it."""
+        return [await b.state() for b in self.breakers]
+
+    async def post(self, endpoint: str, body: dict[str, Any], *, deployment: int | None = None) -> FleetReply:
+        """POST a batch line's body to the same path on a deployment (`/v1/...` under its base URL);
+        with `deployment`, on that one only."""
         path = endpoint[len("/v1") :] if endpoint.startswith("/v1/") else endpoint
         payload = orjson.dumps(body)
         started = time.monotonic()
         give_up_at = started + self._open_wait_s
-        refused: set[int] = set()  # deployments that refused this request's connection
+        # Deployments that refused this request's connection (or that it may not go to).
+        refused: set[int] = set() if deployment is None else set(range(len(self._urls))) - {deployment}
         last: FleetReply | None = None
         while True:
             picked, wait_s = await self._pick(skip=refused)
@@ -118,7 +130,7 @@ class FleetClient:
             i, permit = picked
             reply, connected = await self._exchange(self._urls[i], path, payload)
             await self._report(i, permit, reply)
-            if connected:
+            if connected or deployment is not None:
                 return reply
             refused.add(i)
             last = reply

@@ -11,19 +11,26 @@ from scheduler.fleet import FleetClient, FleetReply
 
 
 async def post_request(
-    fleet: FleetClient, endpoint: str, body: dict[str, Any], *, expand_n: bool, warm_s: float = PREFIX_WARM_S
+    fleet: FleetClient,
+    endpoint: str,
+    body: dict[str, Any],
+    *,
+    expand_n: bool,
+    warm_s: float = PREFIX_WARM_S,
+    deployment: int | None = None,
 ) -> FleetReply:
     """POST one batch line's body; with `expand_n`, n > 1 goes as n requests and comes back as
     one response. The first goes a moment ahead (PREFIX_WARM_S) so the others find the
     prompt's blocks cached. A failure of any of them is the line's failure: a transient one
-    retries the whole line, so the client never gets fewer choices than it asked for."""
+    retries the whole line, so the client never gets fewer choices than it asked for.
+    `deployment`: the deployment whose capacity lease the line holds (all n go there)."""
     parts = split_n(endpoint, body) if expand_n else None
     if parts is None:
-        return await fleet.post(endpoint, body)
-    first = asyncio.ensure_future(fleet.post(endpoint, parts[0]))
+        return await fleet.post(endpoint, body, deployment=deployment)
+    first = asyncio.ensure_future(fleet.post(endpoint, parts[0], deployment=deployment))
     try:
         await asyncio.wait([first], timeout=warm_s)
-        rest = await asyncio.gather(*(fleet.post(endpoint, part) for part in parts[1:]))
+        rest = await asyncio.gather(*(fleet.post(endpoint, part, deployment=deployment) for part in parts[1:]))
         replies = [await first, *rest]
     finally:
         first.cancel()  # only still running if this line was shed or its drain is stopping

@@ -5,15 +5,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from functools import lru_cache
+from typing import Protocol
 
 from jobs.models import utcnow
 from jobs.sweeps import PendingBatch, pending_batches
 from jobs.teams import team_weights
-from scheduler.admission import Admission, ObservationLog
-from scheduler.capacity import CapacityLoop, ControlConfig, Controller, Slo
+from scheduler.admission import Admission
+from scheduler.capacity import CapacityLoop, ControlConfig, Controller, FleetCapacityLoop, Slo
 from scheduler.leases import LeaseStore, get_lease_store
 from scheduler.policy import FairPlanner, PolicyConfig
-from scheduler.telemetry import FleetTelemetry, KvModel, parse_endpoints
+from scheduler.telemetry import Endpoint, FleetTelemetry, KvModel, parse_endpoints
 from storage.db import unit_of_work
 from storage.settings import Settings, get_settings
 
@@ -27,6 +28,7 @@ def get_admission() -> Admission:
         ttl_s=s.lease_ttl_s,
         controlled=s.capacity_control,
         floor=s.capacity_floor,
+        deployments=max(1, len(s.fleet_url_list)),
     )
 
 
@@ -37,7 +39,7 @@ def make_planner(refresh_s: float = 0.5, admission: Admission | None = None) -> 
     admission = admission or get_admission()
     planner = FairPlanner(PolicyConfig(guaranteed_share=get_settings().deadline_guaranteed_share))
     cache: dict[str, tuple[float, list[PendingBatch], dict[str, float], float | None]] = {}
-    local_rate = rate_meter(admission.log)
+    local_rate = rate_meter(admission)
 
     def refresh() -> tuple[list[PendingBatch], dict[str, float], float | None]:
         with unit_of_work() as session:
@@ -55,8 +57,13 @@ def make_planner(refresh_s: float = 0.5, admission: Admission | None = None) -> 
     return plan
 
 
-def rate_meter(log: ObservationLog, every_s: float = 0.5) -> Callable[[], float | None]:
-    """Batch tokens/s from the observation counters, for when no controller publishes a rate."""
+class _Totals(Protocol):
+    def totals(self) -> dict[str, float]: ...
+
+
+def rate_meter(log: _Totals, every_s: float = 0.5) -> Callable[[], float | None]:
+    """Batch tokens/s from the observation counters (an `ObservationLog`, or an `Admission`'s sum
+    over its deployments), for when no controller publishes a rate."""
     state: dict[str, float] = {}
 
     def rate() -> float | None:
@@ -85,10 +92,33 @@ def control_config(s: Settings) -> ControlConfig:
     )
 
 
-def make_capacity_loop(settings: Settings | None = None, leases: LeaseStore | None = None) -> CapacityLoop:
-    """The controller over the first configured deployment (one lease pool per fleet)."""
+def deployment_telemetry(s: Settings) -> list[list[Endpoint]]:
+    """Each deployment's metrics endpoints, in the order of `BACKFILL_FLEET_URLS` (deployment i's
+    lease pool is `pool_of(i)`): `BACKFILL_FLEET_METRICS_URLS` lists them in that order (`;`
+    between deployments), else each deployment's frontend `/metrics` is used."""
+    if s.fleet_metrics_urls.strip():
+        return parse_endpoints(s.fleet_metrics_urls)
+    return [[Endpoint("frontend", url.removesuffix("/v1") + "/metrics")] for url in s.fleet_url_list]
+
+
+def make_capacity_loop(
+    settings: Settings | None = None, leases: LeaseStore | None = None
+) -> CapacityLoop | FleetCapacityLoop:
+    """A controller per deployment, each on its own telemetry and lease pool (one deployment: a
+    plain `CapacityLoop`). `BACKFILL_CAPACITY_CEILING` / `BACKFILL_MAX_INFLIGHT` bound each."""
     s = settings or get_settings()
-    deployments = parse_endpoints(s.fleet_metrics_spec)
+    deployments = deployment_telemetry(s)
     if not deployments:
         raise ValueError("capacity control needs fleet telemetry: set BACKFILL_FLEET_METRICS_URLS")
-    return CapacityLoop(Controller(control_config(s)), FleetTelemetry(deployments[0]), leases or get_lease_store())
+    urls = max(1, len(s.fleet_url_list))
+    if len(deployments) != urls:
+        raise ValueError(
+            f"BACKFILL_FLEET_METRICS_URLS names {len(deployments)} deployments, BACKFILL_FLEET_URLS {urls}: "
+            "give one `;`-separated group of metrics endpoints per fleet URL, in the same order"
+        )
+    store = leases or get_lease_store()
+    loops = [
+        CapacityLoop(Controller(control_config(s)), FleetTelemetry(eps), store, deployment=i)
+        for i, eps in enumerate(deployments)
+    ]
+    return loops[0] if len(loops) == 1 else FleetCapacityLoop(loops)

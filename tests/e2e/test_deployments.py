@@ -381,6 +381,40 @@ def test_faults_through_the_proxy_leave_every_batch_whole(
     FAULT_TABLE.append(dict(fault="(all proxy phases)", did=f"{len(load.batches)} batches", recover="", **tally))
 
 
+def test_each_deployment_holds_its_own_limit(
+    client2: Any, stack2: Stack, fleet_a: Fleet, fleet_b: Fleet, own_redis: str, own_db: str
+) -> None:
+    """Leases are per deployment: both take lines, and neither fleet's own in-flight gauge passes
+    its limit (BACKFILL_MAX_INFLIGHT, per deployment) by more than one lease."""
+    from tests.e2e.conftest import FleetInflight
+
+    limit = int(stack2.env["BACKFILL_MAX_INFLIGHT"])
+    r = redis.Redis.from_url(own_redis, decode_responses=True)
+    pools = {"A": "backfill:lease:fleet", "B": "backfill:lease:fleet:1"}
+    held = {k: 0 for k in pools}
+    lines = [chat_line(i, max_tokens=64, prefix="per-deployment ") for i in range(600)]
+    with FleetInflight(fleet_a.frontend_metrics_url) as gauge_a, FleetInflight(fleet_b.frontend_metrics_url) as gauge_b:
+        b = client2.batches.create(
+            input_file_id=upload(client2, jsonl(lines)).id, endpoint=CHAT, completion_window="24h"
+        )
+        while client2.batches.retrieve(b.id).status not in ("completed", "failed"):
+            for k, key in pools.items():
+                held[k] = max(held[k], r.zcount(key, time.time(), "+inf"))
+            time.sleep(0.1)
+    tally = check_every_line_once(client2, {b.id: [line["custom_id"] for line in lines]}, own_db)
+    peaks = {"A": gauge_a.max_seen, "B": gauge_b.max_seen}
+    assert all(held.values()), f"both deployments should have carried lines: {held}"
+    assert all(v is not None and v <= limit + 1 for v in peaks.values()), (peaks, limit)
+    FAULT_TABLE.append(
+        dict(
+            fault="(per-deployment limits)",
+            did=f"leases held at most {held}; fleet in-flight peaks {peaks} (limit {limit} each)",
+            recover="",
+            **tally,
+        )
+    )
+
+
 @dataclass
 class Phase:
     met: int  # requests that met the fault

@@ -1,7 +1,10 @@
 """Faults a deployment meets, each during a running load of several batches from two teams, on
 the real services: SIGTERM of a worker and of the scheduler, Redis restarted empty, Postgres
-unreachable for 20 s, a worker SIGKILLed repeatedly, and a poison line (one that takes its worker
-down every time it runs).
+unreachable for 20 s (its connections cut) and Postgres itself stopped for 20 s and restarted (a
+private cluster), a worker SIGKILLed repeatedly, a poison line (one that takes its worker down
+every time it runs), SeaweedFS stopped while batches finalize, a mocker engine SIGKILLed, the
+fleet frontend stopped, and one of two backfill "hosts" (API + worker, behind one round-robin
+address) lost.
 
 After each: every batch is terminal within a minute of the fault clearing; output + error files
 hold exactly one line per request; the ledger has one row per executed (succeeded) request; no
@@ -9,8 +12,9 @@ line was sent more times than the attempt cap (counted by a proxy in front of th
 fleet's own in-flight gauge never exceeded the limit by more than one lease. What was measured
 goes to `fault_report` (tests/e2e/conftest.py), which prints the table and the summary line.
 
-backfill runs here on a database and a Redis of its own (so restarting or blocking them touches
-no other test's stack), with a fixed admission limit and a short lease TTL and grace period.
+backfill runs here on a database, a Redis and an S3 server of its own (so restarting or blocking
+them touches no other test's stack), with a fixed admission limit and a short lease TTL and grace
+period.
 """
 
 from __future__ import annotations
@@ -30,12 +34,14 @@ import httpx
 import openai
 import psycopg
 import pytest
+import redis
 
+from devfleet.faultproxy import FaultProxy
 from devfleet.processes import free_port
 from tests.conftest import PG_ADMIN_URL
 from tests.e2e.conftest import FaultRecord, FaultReport, FleetInflight, SendCounter
 from tests.e2e.helpers import chat_line, jsonl, read_lines, upload
-from tests.stack import RedisServer, Stack, create_database, drop_database, service_env
+from tests.stack import PostgresCluster, RedisServer, Stack, create_database, drop_database, service_env
 
 pytestmark = pytest.mark.e2e
 
@@ -43,8 +49,10 @@ LIMIT = 16  # BACKFILL_MAX_INFLIGHT: the published limit (no capacity controller
 MAX_ATTEMPTS = 3
 GRACE_S = 5.0
 TTL_S = 3.0
+TERMINAL = ("completed", "failed", "expired", "cancelled")
 RECOVER_WITHIN_S = 60.0  # every batch terminal this long after the fault clears
 SHORT = 30  # max_tokens of an ordinary line
+SLOW = 1500  # max_tokens of a long line: a few seconds at the fleet
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +66,18 @@ def faults_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 
 @pytest.fixture(scope="module")
+def faults_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """An S3 server of this module's own, its data in a folder that outlives a stop (so it can be
+    stopped mid-batch and started again on the same port with every object still there)."""
+    from devfleet.s3 import SeaweedS3
+
+    server = SeaweedS3(data_dir=tmp_path_factory.mktemp("faults-s3"))
+    with server:
+        server.create_bucket("backfill-test")
+        yield server
+
+
+@pytest.fixture(scope="module")
 def faults_db() -> Iterator[str]:
     name = f"backfill_faults_{secrets.token_hex(4)}"
     url = create_database(PG_ADMIN_URL, name)
@@ -65,23 +85,9 @@ def faults_db() -> Iterator[str]:
     drop_database(PG_ADMIN_URL, name)
 
 
-@pytest.fixture(scope="module")
-def fstack(
-    faults_db: str,
-    faults_redis: RedisServer,
-    s3: Any,
-    send_counter: SendCounter,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Stack]:
-    url = faults_redis.url + "/0"
-    env = {
-        **service_env(
-            home=tmp_path_factory.mktemp("faults-home"),
-            pg_url=faults_db,
-            redis_url=url,
-            s3=s3,
-            fleet_url=send_counter.base_url,
-        ),
+def faults_env(*, home: Any, pg_url: str, redis_url: str, s3: Any, fleet_url: str) -> dict[str, str]:
+    return {
+        **service_env(home=home, pg_url=pg_url, redis_url=redis_url, s3=s3, fleet_url=fleet_url),
         "BACKFILL_BOOTSTRAP_API_KEY": "sk-test-" + secrets.token_hex(16),
         "BACKFILL_ADMIN_API_KEY": "sk-admin-" + secrets.token_hex(16),
         "BACKFILL_RATE_LIMIT": "off",
@@ -96,6 +102,23 @@ def fstack(
         "BACKFILL_DB_OUTAGE_PATIENCE_S": "90",
         "BACKFILL_FLEET_TIMEOUT_S": "120",
     }
+
+
+@pytest.fixture(scope="module")
+def fstack(
+    faults_db: str,
+    faults_redis: RedisServer,
+    faults_s3: Any,
+    send_counter: SendCounter,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Stack]:
+    env = faults_env(
+        home=tmp_path_factory.mktemp("faults-home"),
+        pg_url=faults_db,
+        redis_url=faults_redis.url + "/0",
+        s3=faults_s3,
+        fleet_url=send_counter.base_url,
+    )
     s = Stack(env=env, logdir=tmp_path_factory.mktemp("faults-logs"), api_port=free_port())
     for name in ("api", "worker", "scheduler"):
         s.start(name)
@@ -106,12 +129,11 @@ def fstack(
         s.stop()
 
 
-@pytest.fixture(scope="module")
-def teams(fstack: Stack) -> list[openai.OpenAI]:
+def make_teams(stack: Stack) -> list[openai.OpenAI]:
     """Two teams: the bootstrap key's, and one made through the admin API."""
     admin = httpx.Client(
-        base_url=fstack.base_url,
-        headers={"Authorization": f"Bearer {fstack.env['BACKFILL_ADMIN_API_KEY']}"},
+        base_url=stack.base_url,
+        headers={"Authorization": f"Bearer {stack.env['BACKFILL_ADMIN_API_KEY']}"},
         timeout=30,
     )
     project = admin.post("/organization/projects", json={"name": f"faults-{secrets.token_hex(3)}"})
@@ -119,9 +141,14 @@ def teams(fstack: Stack) -> list[openai.OpenAI]:
     key = admin.post(f"/organization/projects/{project.json()['id']}/api_keys", json={"name": "faults"})
     assert key.status_code == 200, key.text
     return [
-        openai.OpenAI(base_url=fstack.base_url, api_key=k, max_retries=2, timeout=60)
-        for k in (fstack.key, key.json()["value"])
+        openai.OpenAI(base_url=stack.base_url, api_key=k, max_retries=2, timeout=60)
+        for k in (stack.key, key.json()["value"])
     ]
+
+
+@pytest.fixture(scope="module")
+def teams(fstack: Stack) -> list[openai.OpenAI]:
+    return make_teams(fstack)
 
 
 @pytest.fixture(scope="module")
@@ -155,11 +182,16 @@ def submit(
     per_batch: int = 75,
     per_team: int = 2,
     extra: list[dict[str, Any]] | None = None,
+    slow_each: int = 0,
 ) -> Load:
+    """`per_team` batches of `per_batch` lines for each team; `extra` lines go to the first batch,
+    and every batch ends with `slow_each` long lines (claimed last: same prefix, later lines)."""
     load = Load(tag)
     for t, client in enumerate(teams):
         for b in range(per_team):
-            lines = [chat_line(i, max_tokens=SHORT, prefix=f"{tag} t{t} b{b} ") for i in range(per_batch)]
+            prefix = f"{tag} t{t} b{b} "
+            lines = [chat_line(i, max_tokens=SHORT, prefix=prefix) for i in range(per_batch)]
+            lines += [chat_line(per_batch + k, max_tokens=SLOW, prefix=prefix) for k in range(slow_each)]
             if extra and t == 0 and b == 0:
                 lines += extra
             f = upload(client, jsonl(lines))
@@ -509,6 +541,91 @@ def test_postgres_unreachable_for_20s_mid_drain(
     assert "replies given up" not in log_of(fstack, "worker")
 
 
+@dataclass
+class PrivateStack:
+    cluster: PostgresCluster
+    db_url: str
+    stack: Stack
+
+
+@pytest.fixture
+def pg_private_stack(
+    faults_redis: RedisServer,
+    faults_s3: Any,
+    send_counter: SendCounter,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[PrivateStack]:
+    """A stack whose database lives on a PostgreSQL cluster of its own, so the test can stop that
+    server itself (the machine's shared one keeps running for everyone else)."""
+    if not PostgresCluster.available():
+        pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl) on this machine")
+    cluster = PostgresCluster(port=free_port()).init()
+    try:
+        cluster.start()
+        db_url = create_database(cluster.admin_url, "backfill_faults")
+        r = redis.Redis.from_url(faults_redis.url + "/1")
+        r.flushdb()
+        env = faults_env(
+            home=tmp_path_factory.mktemp("pg-restart-home"),
+            pg_url=db_url,
+            redis_url=faults_redis.url + "/1",  # its own broker and leases, apart from `fstack`'s
+            s3=faults_s3,
+            fleet_url=send_counter.base_url,
+        )
+        s = Stack(env=env, logdir=tmp_path_factory.mktemp("pg-restart-logs"), api_port=free_port())
+        for name in ("api", "worker", "scheduler"):
+            s.start(name)
+        try:
+            s.wait_healthy()
+            yield PrivateStack(cluster, db_url, s)
+        finally:
+            s.stop()
+            r.flushdb()
+    finally:
+        cluster.remove()
+
+
+def test_postgres_restarted_and_held_down_20s(
+    pg_private_stack: PrivateStack,
+    send_counter: SendCounter,
+    fleet_inflight: FleetInflight,
+    fault_report: FaultReport,
+) -> None:
+    """The database server itself goes down (`pg_ctl stop -m immediate`: every backend killed, no
+    checkpoint), stays down 20 s (connections refused), and starts again with crash recovery."""
+    cluster, db, stack = pg_private_stack.cluster, pg_private_stack.db_url, pg_private_stack.stack
+    teams = make_teams(stack)
+    window = Window(send_counter, fleet_inflight)
+    load = submit(teams, "pg-restart")
+    under_way(db, load)
+    sends_before = sum(send_counter.sends.values())
+    cluster.stop("immediate")
+    stopped = time.monotonic()
+    time.sleep(5.0)
+    sends_early = sum(send_counter.sends.values())
+    time.sleep(max(0.0, 20.0 - (time.monotonic() - stopped)))
+    sends_during = sum(send_counter.sends.values()) - sends_early
+    cluster.start()
+    cleared = time.monotonic()
+    at_clear = finished(db, load)
+    settle(
+        "Postgres stopped (immediate) 20 s, restarted",
+        f"drains held their replies and sent nothing new ({sends_during} sends in the last 15 s of the outage, "
+        f"{sends_early - sends_before} as it began); after crash recovery they wrote them once",
+        load,
+        db_url=db,
+        cleared_at=cleared,
+        window=window,
+        report=fault_report,
+        finished_at_clear=at_clear,
+    )
+    assert sends_during == 0, f"{sends_during} requests sent while the database was down"
+    assert reclaims_logged(stack, 0) == [], "lines were taken from live drains"
+    assert resent_unaccounted(db, load, send_counter) == 0, "a line was sent again without cause"
+    assert "replies given up" not in log_of(stack, "worker")
+    assert all(p.poll() is None for p in stack.procs.values()), "a process died of the outage"
+
+
 def test_sigkill_worker_repeatedly(
     fstack: Stack,
     teams: list[openai.OpenAI],
@@ -605,6 +722,257 @@ def test_poison_line_goes_to_the_error_file(
     assert err["custom_id"] == "req-9999" and err["response"]["status_code"] == 500
     assert err["response"]["body"]["error"]["code"] == "max_attempts_exceeded"
     assert len(read_lines(client, b.output_file_id)) == 20 and rec.lost == 0
+
+
+def _pending(db_url: str, load: Load) -> int | None:
+    rows = _sql(
+        db_url, "SELECT count(*) FROM batch_requests WHERE batch_id = ANY(%s) AND state = 'pending'", load.db_ids
+    )
+    return None if rows is None else int(rows[0][0])
+
+
+def _statuses(db_url: str, load: Load) -> dict[str, str]:
+    return dict(_sql(db_url, "SELECT id, status FROM batches WHERE id = ANY(%s)", load.db_ids) or [])
+
+
+def result_objects(s3: Any, load: Load) -> dict[str, list[str]]:
+    """Every object under each batch's result folder (whatever its name), by batch id."""
+    client = s3.client()
+    out: dict[str, list[str]] = {}
+    for batch_id in load.db_ids:
+        keys: list[str] = []
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket="backfill-test", Prefix="batches/"):
+            keys += [o["Key"] for o in page.get("Contents", []) if f"/{batch_id}/" in o["Key"]]
+        out[batch_id] = sorted(keys)
+    return out
+
+
+def test_s3_stopped_during_finalization(
+    fstack: Stack,
+    teams: list[openai.OpenAI],
+    send_counter: SendCounter,
+    fleet_inflight: FleetInflight,
+    fault_report: FaultReport,
+    faults_db: str,
+    faults_s3: Any,
+) -> None:
+    """The object store goes away once every line is claimed, so the batches finish their lines
+    and reach finalization while no file can be written; it comes back after a while."""
+    window = Window(send_counter, fleet_inflight)
+    load = submit(teams, "s3-outage", slow_each=2)
+
+    def all_claimed() -> bool:
+        started = _statuses(faults_db, load)
+        return all(st not in ("validating", "created") for st in started.values()) and _pending(faults_db, load) == 0
+
+    wait_until("every line claimed", all_claimed, timeout_s=120, every_s=0.05)
+    open_at_stop = [b for b, st in _statuses(faults_db, load).items() if st not in TERMINAL]
+    faults_s3.stop()
+    stopped = time.monotonic()
+    try:
+        wait_until("every line finished", lambda: finished(faults_db, load) == load.requests, timeout_s=60)
+        time.sleep(max(0.0, 20.0 - (time.monotonic() - stopped)))
+        during = _statuses(faults_db, load)
+    finally:
+        faults_s3.start()
+    cleared = time.monotonic()
+    waiting = [b for b in open_at_stop if during[b] not in TERMINAL]
+    assert open_at_stop and waiting == open_at_stop, (open_at_stop, during)  # nothing finished without its files
+    settle(
+        "S3 stopped during finalization",
+        f"{len(open_at_stop)} batch(es) reached finalization while the store was down (20 s) and waited in "
+        "`finalizing`; the next nudge after it was back wrote their files (one PUT each)",
+        load,
+        db_url=faults_db,
+        cleared_at=cleared,
+        window=window,
+        report=fault_report,
+        finished_at_clear=None,
+    )
+    # Exactly the result files, once each: no partial or stray objects.
+    for batch_id, keys in result_objects(faults_s3, load).items():
+        names = [k.rsplit("/", 1)[1] for k in keys]
+        assert names in (["output.jsonl"], ["error.jsonl", "output.jsonl"]), (batch_id, keys)
+    uploads = faults_s3.client().list_multipart_uploads(Bucket="backfill-test").get("Uploads", [])
+    assert uploads == [], uploads
+
+
+def test_mocker_worker_killed_mid_batch(
+    fstack: Stack,
+    teams: list[openai.OpenAI],
+    send_counter: SendCounter,
+    fleet_inflight: FleetInflight,
+    fault_report: FaultReport,
+    faults_db: str,
+    fleet: Any,
+) -> None:
+    """One of the fleet's two engines is SIGKILLed with requests on it, and started again 5 s later
+    (its stale registration lingers at the frontend meanwhile)."""
+    window = Window(send_counter, fleet_inflight)
+    load = submit(teams, "mocker-kill", slow_each=2)
+    under_way(faults_db, load, share=0.3)
+    log_before = len(log_of(fstack, "worker"))
+    fleet.kill_worker(0)
+    time.sleep(5.0)
+    fleet.restart_worker(0)
+    cleared = time.monotonic()
+    at_clear = finished(faults_db, load)
+    rec = settle(
+        "mocker worker SIGKILLed",
+        "requests on the dead engine came back as fleet errors and were retried",
+        load,
+        db_url=faults_db,
+        cleared_at=cleared,
+        window=window,
+        report=fault_report,
+        finished_at_clear=at_clear,
+    )
+    rec.did += f" ({retries_spent(faults_db, load)}); the other engine and the restarted one finished"
+    assert "circuit opened" not in log_of(fstack, "worker")[log_before:]
+
+
+def retries_spent(db_url: str, load: Load) -> str:
+    rows = _sql(
+        db_url,
+        "SELECT count(*) FILTER (WHERE attempts > 0), coalesce(max(attempts), 0) FROM batch_requests "
+        "WHERE batch_id = ANY(%s)",
+        load.db_ids,
+    )
+    assert rows is not None
+    return f"{rows[0][0]} lines spent an attempt, at most {rows[0][1]}"
+
+
+def test_fleet_frontend_stopped_mid_batch(
+    fstack: Stack,
+    teams: list[openai.OpenAI],
+    send_counter: SendCounter,
+    fleet_inflight: FleetInflight,
+    fault_report: FaultReport,
+    faults_db: str,
+    fleet: Any,
+) -> None:
+    """The only deployment's frontend is SIGKILLed and started again 15 s later: the proxy in front
+    of it (as a load balancer would) answers 502 meanwhile."""
+    window = Window(send_counter, fleet_inflight)
+    load = submit(teams, "frontend-stop")
+    under_way(faults_db, load, share=0.3)
+    log_before = len(log_of(fstack, "worker"))
+    fleet.frontend.kill()
+    stopped = time.monotonic()
+    sends_at_stop = sum(send_counter.sends.values())
+    time.sleep(15.0)
+    sends_during = sum(send_counter.sends.values()) - sends_at_stop
+    fleet.frontend.start()
+    fleet.wait_ready(60)
+    cleared = time.monotonic()
+    at_clear = finished(faults_db, load)
+    worker_log = log_of(fstack, "worker")[log_before:]
+    rec = settle(
+        "fleet frontend stopped 15 s",
+        f"the deployment's circuit opened ({worker_log.count('circuit opened')}x); drains waited for half-open "
+        f"probes ({sends_during} sends in {cleared - stopped:.0f} s) instead of spending attempts",
+        load,
+        db_url=faults_db,
+        cleared_at=cleared,
+        window=window,
+        report=fault_report,
+        finished_at_clear=at_clear,
+    )
+    rec.did += f"; {retries_spent(faults_db, load)}"
+    assert "circuit opened" in worker_log
+    assert sends_during <= 16 + 10, f"{sends_during} requests sent into the outage"
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@dataclass
+class TwoHosts:
+    stack: Stack  # its address: the balancer in front of both APIs
+    balancer: FaultProxy
+    db_url: str
+
+
+@pytest.fixture
+def two_hosts(
+    faults_redis: RedisServer,
+    faults_s3: Any,
+    send_counter: SendCounter,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[TwoHosts]:
+    """backfill as a deployment that outgrew one machine: on each of two "hosts" an API and a
+    worker (each with a BACKFILL_HOME of its own), one scheduler, one address in front of both
+    APIs (round robin), one database, one Redis, one object store."""
+    name = f"backfill_faults_2h_{secrets.token_hex(4)}"
+    db_url = create_database(PG_ADMIN_URL, name)
+    r = redis.Redis.from_url(faults_redis.url + "/2")
+    r.flushdb()
+    ports = {"api-a": free_port(), "api-b": free_port()}
+    balancer = FaultProxy([f"http://127.0.0.1:{p}" for p in ports.values()]).start()
+    env = faults_env(
+        home=tmp_path_factory.mktemp("two-hosts-home"),
+        pg_url=db_url,
+        redis_url=faults_redis.url + "/2",
+        s3=faults_s3,
+        fleet_url=send_counter.base_url,
+    )
+    s = Stack(env=env, logdir=tmp_path_factory.mktemp("two-hosts-logs"), api_port=balancer.port)
+    try:
+        for host in ("a", "b"):
+            home = tmp_path_factory.mktemp(f"host-{host}")
+            s.start(f"api-{host}", kind="api", port=ports[f"api-{host}"], home=home)
+            s.start(f"worker-{host}", kind="worker", home=home)
+        s.start("scheduler")
+        for port in ports.values():  # each API answers on its own, not just one of them
+            wait_until(
+                f"the API on {port} answers",
+                lambda p=port: _answers(f"http://127.0.0.1:{p}/health"),
+                timeout_s=60,
+            )
+        s.wait_healthy()
+        yield TwoHosts(s, balancer, db_url)
+    finally:
+        s.stop()
+        balancer.stop()
+        r.flushdb()
+        drop_database(PG_ADMIN_URL, name)
+
+
+def test_two_hosts_one_lost_mid_batch(
+    two_hosts: TwoHosts,
+    send_counter: SendCounter,
+    fleet_inflight: FleetInflight,
+    fault_report: FaultReport,
+) -> None:
+    stack, db = two_hosts.stack, two_hosts.db_url
+    teams = make_teams(stack)  # through the one address
+    window = Window(send_counter, fleet_inflight)
+    load = submit(teams, "two-hosts", per_batch=100)
+    under_way(db, load, share=0.25)
+    worked = {h: log_of(stack, f"worker-{h}").count("drain[") for h in ("a", "b")}
+    assert all(worked.values()), f"both hosts' workers should run drains: {worked}"
+    stack.kill("api-a")  # host A is gone: its API and its worker at once
+    stack.kill("worker-a")
+    cleared = time.monotonic()
+    at_clear = finished(db, load)
+    status = [c.batches.retrieve(b).status for b, (c, _) in load.batches.items()]  # the one address still answers
+    assert len(status) == len(load.batches)
+    rec = settle(
+        "one of two hosts lost (API + worker SIGKILLed)",
+        "the balancer sent API calls to the other host; the dead worker's lines were reclaimed after its "
+        "heartbeat lapsed (an attempt each) and host B's worker finished them; the limit held across both",
+        load,
+        db_url=db,
+        cleared_at=cleared,
+        window=window,
+        report=fault_report,
+        finished_at_clear=at_clear,
+    )
+    rec.did += f" ({resent(load, send_counter)} lines sent again; balancer: {two_hosts.balancer.stats})"
 
 
 def test_logs_name_what_the_reconciler_did(fstack: Stack) -> None:
