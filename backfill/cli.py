@@ -74,7 +74,14 @@ def worker(
     n = concurrency or get_settings().drains + 2
     queues = ",".join(q.value for q in QueueName)
     celery_app.worker_main(
-        ["worker", "--loglevel=INFO", f"--concurrency={n}", f"--queues={queues}", "--without-gossip", "--without-mingle"]
+        [
+            "worker",
+            "--loglevel=INFO",
+            f"--concurrency={n}",
+            f"--queues={queues}",
+            "--without-gossip",
+            "--without-mingle",
+        ]
     )
 
 
@@ -105,7 +112,7 @@ def scheduler() -> None:
     # lapses and admission falls back to the floor (fail closed).
     control_stop = threading.Event()
     control: threading.Thread | None = None
-    if s.capacity_control:
+    if s.capacity_controlled:
         from scheduler.runtime import make_capacity_loop
 
         loop = make_capacity_loop(s)

@@ -201,9 +201,8 @@ def run_up(*, port: int, fleet_workers: int, speedup: float) -> None:
             fleet = _start_fleet(home, workers=fleet_workers, speedup=speedup)
             env["BACKFILL_FLEET_URLS"] = fleet.base_url
             fleet_line = f"{fleet.base_url}   (simulated: Dynamo frontend + {fleet_workers} mocker workers)"
-            # The simulated fleet's own telemetry, so the capacity controller runs against it as it
-            # would against a production fleet (BACKFILL_CAPACITY_CONTROL=false turns it off).
-            env.setdefault("BACKFILL_CAPACITY_CONTROL", "true")
+            # The simulated fleet's own telemetry, so the capacity controller (on by default, `auto`)
+            # steers on it as it would on a production fleet (BACKFILL_CAPACITY_CONTROL=off: fixed).
             env.setdefault(
                 "BACKFILL_FLEET_METRICS_URLS",
                 ",".join(

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
 
     admission.observer = observed
     stop = threading.Event()
-    if s.capacity_control:
+    if s.capacity_controlled:
         loop = make_capacity_loop(s, leases)
 
         def decided(t: float, d: Decision) -> None:

@@ -67,6 +67,10 @@ class ControlConfig:
     kv_batch_share: float = 0.8  # share of the KV cache batch requests may fill at most
     kv_full: float = 0.9  # KV occupancy of the fullest decoder at which preemption is near
     kv: KvModel = field(default_factory=lambda: KvModel(bytes_per_token=0))
+    # `BACKFILL_CAPACITY_CONTROL=auto`: the limit while the fleet's telemetry has never answered
+    # (the fixed bound), so a fleet without metrics still gets work; once telemetry has been
+    # seen, losing it fails closed to the floor like `on`. None (`on`): always the floor.
+    unseen_limit: int | None = None
     # EWMA weight of the newest latency window: the SLO is on a request's mean inter-token
     # latency over its whole reply (a second or two), not on any 0.25 s window.
     smoothing: float = 0.25
@@ -113,6 +117,7 @@ class Controller:
         self._was_idle = False
         self._queued_for = 0
         self._kv_per_request = 1024.0  # prompt + output tokens of a batch request, learned
+        self.seen = False  # whether complete telemetry has ever arrived
 
     def _smooth(self, prev: float | None, new: float | None) -> float | None:
         if new is None:
@@ -149,7 +154,10 @@ class Controller:
             # Fail closed, and start again from the floor once telemetry is back.
             self.limit = float(cfg.floor)
             self._itl = self._ttft = None
+            if not self.seen and cfg.unseen_limit is not None:
+                return Decision(cfg.unseen_limit, None, "unseen", batch=batch_inflight)
             return Decision(cfg.floor, None, "no-telemetry", batch=batch_inflight)
+        self.seen = True
         fe = snap.frontend
         assert fe is not None
         if obs.n:
@@ -324,21 +332,11 @@ class CapacityLoop:
 
     def run(self, stop: threading.Event) -> None:
         period = self.controller.cfg.period_s
-        last_reason = ""
+        say = DecisionLog({self.deployment: self.telemetry})
         while not stop.is_set():
             started = time.monotonic()
             try:
-                d = self.once()
-                if d.reason != last_reason and d.reason in (
-                    "no-telemetry",
-                    "overload",
-                    "surge",
-                    "over-slo",
-                    "queue",
-                    "wake",
-                ):
-                    log.info("capacity %s: %s limit %d shed %s", d.reason, pool_of(self.deployment), d.limit, d.shed_to)
-                last_reason = d.reason
+                say(self.deployment, self.once())
             except Exception:
                 log.exception("capacity step failed")
             stop.wait(max(0.0, period - (time.monotonic() - started)))
@@ -389,14 +387,12 @@ class FleetCapacityLoop:
         return decisions
 
     def run(self, stop: threading.Event) -> None:
-        last: dict[int, str] = {}
+        say = DecisionLog({loop.deployment: loop.telemetry for loop in self.loops})
         while not stop.is_set():
             started = time.monotonic()
             try:
                 for deployment, d in self.once().items():
-                    if d.reason != last.get(deployment) and d.reason in _LOGGED:
-                        log.info("capacity %s: %s limit %d shed %s", d.reason, pool_of(deployment), d.limit, d.shed_to)
-                    last[deployment] = d.reason
+                    say(deployment, d)
             except Exception:
                 log.exception("capacity step failed")
             stop.wait(max(0.0, self.period_s - (time.monotonic() - started)))
@@ -410,6 +406,37 @@ class FleetCapacityLoop:
 
 
 _LOGGED = ("no-telemetry", "overload", "surge", "over-slo", "queue", "wake")
+
+
+class DecisionLog:
+    """Logs a deployment's decision when its reason changes; while telemetry has never answered
+    (auto mode on the fixed bound) a warning, repeated every `repeat_s`: an operator must see
+    that the controller is not steering."""
+
+    def __init__(self, telemetry: dict[int, FleetTelemetry], repeat_s: float = 300.0) -> None:
+        self.telemetry = telemetry
+        self.repeat_s = repeat_s
+        self._last: dict[int, str] = {}
+        self._warned: dict[int, float] = {}
+
+    def __call__(self, deployment: int, d: Decision) -> None:
+        changed = d.reason != self._last.get(deployment)
+        self._last[deployment] = d.reason
+        if d.reason == "unseen":
+            now = time.monotonic()
+            if changed or now - self._warned.get(deployment, -math.inf) >= self.repeat_s:
+                self._warned[deployment] = now
+                urls = ", ".join(e.url for e in self.telemetry[deployment].endpoints)
+                log.warning(
+                    "capacity control (auto): no answer yet from the fleet's metrics for %s (%s); admission "
+                    "holds the fixed bound %d until they answer (BACKFILL_CAPACITY_CONTROL=off makes the "
+                    "fixed bound a choice, =on fails closed without telemetry)",
+                    pool_of(deployment),
+                    urls,
+                    d.limit,
+                )
+        elif changed and d.reason in _LOGGED:
+            log.info("capacity %s: %s limit %d shed %s", d.reason, pool_of(deployment), d.limit, d.shed_to)
 
 
 def shed_count(total: int, target: int, mine: int) -> int:

@@ -26,7 +26,7 @@ def get_admission() -> Admission:
         get_lease_store(),
         fixed_limit=s.max_inflight,
         ttl_s=s.lease_ttl_s,
-        controlled=s.capacity_control,
+        controlled=s.capacity_controlled,
         floor=s.capacity_floor,
         deployments=max(1, len(s.fleet_url_list)),
     )
@@ -89,6 +89,7 @@ def control_config(s: Settings) -> ControlConfig:
         period_s=s.control_period_s,
         idle_target=s.capacity_idle_target,
         kv=KvModel(bytes_per_token=s.kv_bytes_per_token, budget_bytes=s.kv_budget_bytes),
+        unseen_limit=s.max_inflight if s.capacity_control == "auto" else None,
     )
 
 

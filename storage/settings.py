@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -67,8 +68,11 @@ class Settings(BaseSettings):
 
     # Fixed admission bound, used until the capacity controller publishes a limit.
     max_inflight: int = 64
-    # Capacity control (telemetry-driven leases); off = the fixed bound above.
-    capacity_control: bool = False
+    # Capacity control (telemetry-driven leases). `auto` (the default): the controller runs on
+    # the fleet's metrics, and while they have never answered the fixed bound above applies
+    # (logged as a warning); `on`: the controller only, failing closed to the floor without
+    # telemetry; `off`: the fixed bound by choice. true/false are read as on/off.
+    capacity_control: Literal["auto", "on", "off"] = "auto"
     capacity_floor: int = 0
     # How batch requests are marked lowest priority for the fleet: nvext (Dynamo), vllm, none.
     fleet_priority_hint: str = "nvext"
@@ -129,6 +133,19 @@ class Settings(BaseSettings):
         if "max_attempts" not in self.model_fields_set and "fleet_max_retries" in self.model_fields_set:
             self.max_attempts = self.fleet_max_retries
         return self
+
+    @field_validator("capacity_control", mode="before")
+    @classmethod
+    def _control_mode(cls, v: Any) -> Any:
+        words = {"true": "on", "1": "on", "yes": "on", "false": "off", "0": "off", "no": "off"}
+        if isinstance(v, bool):
+            return "on" if v else "off"
+        return words.get(v.strip().lower(), v.strip().lower()) if isinstance(v, str) else v
+
+    @property
+    def capacity_controlled(self) -> bool:
+        """Whether the capacity controller publishes the lease limit (auto or on)."""
+        return self.capacity_control != "off"
 
     @field_validator("home")
     @classmethod

@@ -19,6 +19,11 @@ from tests.stack import RedisServer, Stack, create_database, drop_database, serv
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379")
 ROOT = Path(__file__).resolve().parent.parent
+# The tests pin admission to the fixed bound (BACKFILL_MAX_INFLIGHT) unless they test the
+# controller, which they then set up themselves: the default, `auto`, would steer every stack
+# by the mocker's load and make counts and limits depend on timing.
+# (tests/scheduler/test_capacity_auto.py covers the default.)
+os.environ.setdefault("BACKFILL_CAPACITY_CONTROL", "off")
 
 
 def _free_port() -> int:

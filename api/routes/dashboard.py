@@ -178,7 +178,7 @@ def lease_gauges(
 
 def released_limit(settings: Settings, published: str | None) -> int:
     """The limit admission applies now (as `scheduler.admission.Admission.limit`)."""
-    if not settings.capacity_control:
+    if not settings.capacity_controlled:
         return settings.max_inflight
     return int(published) if published is not None and published.isdigit() else settings.capacity_floor
 
@@ -251,7 +251,7 @@ def _sample(settings: Settings) -> FleetLoad:
         batch_inflight=held,
         interactive_inflight=max(0, fleet - held) if fleet is not None and held is not None else None,
         limit=limit,
-        capacity_control=settings.capacity_control,
+        capacity_control=settings.capacity_controlled,
     )
 
 

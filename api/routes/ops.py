@@ -72,7 +72,7 @@ class DatabaseGauges(Collector):
         yield GaugeMetricFamily(
             "backfill_capacity_control_enabled",
             "1 when the capacity controller sets the lease limit, 0 for the fixed bound.",
-            value=int(s.capacity_control),
+            value=int(s.capacity_controlled),
         )
         yield GaugeMetricFamily(
             "backfill_fixed_inflight_limit",
