@@ -23,6 +23,12 @@ def _cmd_install(args: argparse.Namespace) -> int:
     print(f"fleet home: {fleet_home()}")
     print(f"dynamo python: {py}")
     print(f"model: {model}")
+    if not args.no_vllm:
+        from .vllm import build_vllm_model, ensure_vllm_venv
+
+        vllm_py = ensure_vllm_venv()
+        print(f"vllm python: {vllm_py}")
+        print(f"vllm model: {build_vllm_model(python=vllm_py)}")
     print(f"done in {time.monotonic() - t0:.1f}s")
     return 0
 
@@ -115,8 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    p = sub.add_parser("install", help="create the dynamo venv and build the tiny model")
+    p = sub.add_parser("install", help="create the dynamo and vLLM venvs and build the tiny models")
     p.add_argument("--model-name", default="tiny-chat")
+    p.add_argument("--no-vllm", action="store_true", help="skip vLLM on CPU (the engine tests then install it)")
     p.set_defaults(func=_cmd_install)
 
     p = sub.add_parser("up", help="run frontend + mocker workers until Ctrl-C")

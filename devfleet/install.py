@@ -112,15 +112,19 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def child_env() -> dict[str, str]:
+    """This process's environment without its venv: it must not leak into another venv's interpreter."""
+    env = dict(os.environ)
+    for var in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PIP_REQUIRE_VIRTUALENV"):
+        env.pop(var, None)
+    return env
+
+
 def _run(cmd: list[str], log_path: Path) -> None:
     with open(log_path, "a") as log:
         log.write(f"\n$ {' '.join(cmd)}\n")
         log.flush()
-        env = dict(os.environ)
-        # The caller's venv must not leak into the child interpreter.
-        for var in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PIP_REQUIRE_VIRTUALENV"):
-            env.pop(var, None)
-        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env())
     if rc != 0:
         tail = "".join(log_path.read_text(errors="replace").splitlines(True)[-40:])
         raise RuntimeError(f"command failed (rc={rc}): {' '.join(cmd)}\n--- {log_path} (tail) ---\n{tail}")

@@ -6,6 +6,7 @@ Its own module so that both the result records (`jobs.results`) and the ledger
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,8 @@ class Outcome:
 
 
 INT32_MAX = 2**31 - 1
+MAX_ERROR_MESSAGE = 4000
+ENVELOPE_FIELDS = ("message", "type", "param", "code")
 
 
 def usage_from_body(body: Any) -> Usage:
@@ -62,11 +65,81 @@ def usage_from_body(body: Any) -> Usage:
     )
 
 
-def normalise_body(raw: bytes) -> tuple[bytes, Any]:
-    """The fleet's body as JSON bytes (non-JSON is wrapped as an error object) and parsed."""
+def error_envelope(parsed: Any, raw: bytes, status_code: int) -> dict[str, Any]:
+    """A failed request's body in OpenAI's error envelope, `{"error": {"message", "type",
+    "param", "code"}}`, keeping the fleet's own text and fields where it gave them.
+
+    Clients read `response.body.error.message` of an error-file line; engines answer errors in
+    several shapes (vLLM's envelope, a bare `{"message", "type", "code"}` object, FastAPI's
+    `{"detail": ...}`, plain text from a proxy), so every shape is mapped to the one envelope."""
+    inner: Any = parsed.get("error") if isinstance(parsed, dict) else None
+    if isinstance(inner, str):  # {"error": "text"}
+        inner = {"message": inner}
+    if not isinstance(inner, dict):
+        inner = parsed if isinstance(parsed, dict) and "message" in parsed else {}
+    message = inner.get("message")
+    if not isinstance(message, str) or not message:
+        if isinstance(parsed, dict) and isinstance(parsed.get("detail"), str):
+            message = parsed["detail"]
+        else:
+            message = raw.decode("utf-8", "replace")
+    error_type = inner.get("type")
+    if not isinstance(error_type, str) or not error_type:
+        error_type = "invalid_request_error" if 400 <= status_code < 500 else "server_error"
+    param, code = inner.get("param"), inner.get("code")
+    return {
+        "error": {
+            "message": message[:MAX_ERROR_MESSAGE],
+            "type": error_type,
+            "param": param if isinstance(param, str) else None,
+            "code": code if isinstance(code, str | int) and not isinstance(code, bool) else None,
+        }
+    }
+
+
+def request_id_of(parsed: Any) -> str:
+    """The request id for a result line when the fleet sent no `x-request-id`: the body's own id
+    (`chatcmpl-...`, `resp_...`), else a fresh one, so every line names its request (an error
+    body has no id of its own)."""
+    body_id = parsed.get("id") if isinstance(parsed, dict) else None
+    if isinstance(body_id, str) and body_id:
+        return body_id
+    return f"req_{uuid.uuid4().hex}"
+
+
+def _fill_sdk_required(parsed: Any) -> bool:
+    """Add the fields OpenAI's SDK requires and an engine left out; True when something was added.
+
+    A `/v1/responses` body's `usage.input_tokens_details` must carry `cache_write_tokens`
+    (`openai.types.responses.ResponseUsage`); vLLM writes only `cached_tokens`, so a client that
+    validates with the SDK's models rejects every line. The engine wrote no cache, so 0 is true."""
+    if not isinstance(parsed, dict) or parsed.get("object") != "response":
+        return False
+    usage = parsed.get("usage")
+    details = usage.get("input_tokens_details") if isinstance(usage, dict) else None
+    if isinstance(details, dict) and "cache_write_tokens" not in details:
+        details["cache_write_tokens"] = 0
+        return True
+    return False
+
+
+def normalise_body(raw: bytes, status_code: int = 200) -> tuple[bytes, Any]:
+    """The fleet's body as it goes into a result line, as JSON bytes and parsed.
+
+    A success keeps the fleet's bytes unless a field the SDK requires was missing (then filled);
+    a failure (or a body that is not JSON) becomes OpenAI's error envelope with the fleet's text."""
     try:
         parsed = orjson.loads(raw)
-        return raw, parsed
     except orjson.JSONDecodeError:
-        parsed = {"error": {"message": raw.decode("utf-8", "replace")[:4000], "type": "fleet_error"}}
+        parsed = None
+        if 200 <= status_code < 300:
+            status_code = 502  # a success must be JSON: the body is kept as the error's message
+    if not 200 <= status_code < 300:
+        inner = parsed.get("error") if isinstance(parsed, dict) else None
+        if isinstance(inner, dict) and set(ENVELOPE_FIELDS) <= inner.keys() and len(parsed) == 1:
+            return raw, parsed  # already OpenAI's envelope: the fleet's bytes as they are
+        parsed = error_envelope(parsed, raw, status_code)
         return orjson.dumps(parsed), parsed
+    if _fill_sdk_required(parsed):
+        return orjson.dumps(parsed), parsed
+    return raw, parsed

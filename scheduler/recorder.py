@@ -27,7 +27,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_ran
 
 from jobs.claims import ClaimedRequest, release_for_retry, requeue_unstarted
 from jobs.models import utcnow
-from jobs.replies import Outcome, normalise_body, usage_from_body
+from jobs.replies import Outcome, normalise_body, request_id_of, usage_from_body
 from jobs.results import attempts_exceeded, record_outcomes
 from jobs.sweeps import lines_held_by
 from scheduler.fleet import FleetReply
@@ -216,11 +216,11 @@ class Recorder:
                 if why:
                     finished.append((r.batch_id, r.line, attempts_exceeded(r.attempts + 1, why)))
                     continue
-                body, parsed = normalise_body(reply.body)
+                body, parsed = normalise_body(reply.body, reply.status_code)
                 outcome = Outcome(
                     status_code=reply.status_code,
                     body=body,
-                    request_id=reply.request_id or (parsed.get("id") if isinstance(parsed, dict) else None),
+                    request_id=reply.request_id or request_id_of(parsed),
                     usage=usage_from_body(parsed),
                 )
                 finished.append((r.batch_id, r.line, outcome))
