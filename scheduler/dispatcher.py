@@ -148,8 +148,13 @@ class Dispatcher:
         keepalive = asyncio.create_task(self._keepalive())
         writer = asyncio.create_task(self.recorder.run())
         watcher = asyncio.create_task(self._watch_shed())
+        slot_held = True
         try:
             await self._release_loop(time.monotonic() + slice_s)
+            # Claiming is over: the slot goes now, not after the last reply (a long request can
+            # take minutes), so the scheduler starts a drain for work that arrives meanwhile. The
+            # requests still in flight hold their capacity leases, which is what bounds the fleet.
+            slot_held = not await self._release_slot(slot)
             await self._finish_inflight()
         finally:
             watcher.cancel()
@@ -159,9 +164,10 @@ class Dispatcher:
             keepalive.cancel()
             try:
                 await asyncio.to_thread(self.admission.flush_observations, 0.0)
-                await asyncio.to_thread(self.leases.release, DRAIN_POOL, slot)
             except RedisError:
-                log.warning("could not release the drain slot; it lapses by itself", exc_info=True)
+                log.warning("could not flush the observations", exc_info=True)
+            if slot_held:
+                await self._release_slot(slot)
         if self._stop_seen_at is not None:
             log.info(
                 "drain %s: stopped %.1f s after the shutdown signal (%d aborted and requeued)",
@@ -170,6 +176,15 @@ class Dispatcher:
                 self.aborted,
             )
         return self.sent
+
+    async def _release_slot(self, slot: list[str]) -> bool:
+        try:
+            await asyncio.to_thread(self.leases.release, DRAIN_POOL, slot)
+        except RedisError:
+            log.warning("could not release the drain slot; it lapses by itself", exc_info=True)
+            return False
+        self._held.pop(slot[0], None)
+        return True
 
     async def _release_loop(self, deadline: float) -> None:
         idle_rounds = 0

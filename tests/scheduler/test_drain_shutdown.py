@@ -222,3 +222,45 @@ def test_lines_a_drain_holds_but_never_sent_go_back_when_it_ends(scratch_db: str
 
     batch_id = asyncio.run(scenario())
     assert [(r.state, r.attempts, r.claim_token) for r in lines_of(batch_id)] == [(RequestState.pending, 0, None)] * 3
+
+
+def test_a_drain_past_its_slice_frees_its_slot_while_its_requests_finish(
+    scratch_db: str, fleet: Any, redis_url: str
+) -> None:
+    """Claiming ends with the slice; the replies of long requests may take minutes more. The drain
+    slot goes when claiming ends, so the scheduler can start a drain for work arriving meanwhile
+    (before, a new batch waited for the reconciler: "no live drain on them (2 drain slots held)")."""
+    batch_id = batch_from_lines([chat(i, 20000) for i in range(1, 5)])
+    leases = RedisLeaseStore(redis_url, namespace=f"sd-{secrets.token_hex(4)}")
+    admission = Admission(leases, fixed_limit=4, ttl_s=3.0)
+    shutdown = threading.Event()
+
+    async def scenario() -> tuple[int, int, int]:
+        fleet_client = FleetClient([fleet.base_url], timeout_s=120)
+        dispatcher = Dispatcher(
+            store=get_object_store(),
+            leases=leases,
+            admission=admission,
+            fleet=fleet_client,
+            planner=lambda n: [(batch_id, n)],
+            max_attempts=3,
+            shutdown=shutdown,
+            grace_s=1.0,
+        )
+        run = asyncio.create_task(dispatcher.run(1.0, max_drains=1))
+        deadline = time.monotonic() + 30
+        while len(dispatcher._calls) < 4:
+            assert time.monotonic() < deadline, "the drain never got its lines in flight"
+            await asyncio.sleep(0.05)
+        while time.monotonic() < deadline and leases.count("drains"):
+            await asyncio.sleep(0.1)  # the slice (1 s) ends; the long replies are still coming
+        seen = (leases.count("drains"), len(dispatcher._inflight), leases.count("fleet"))
+        shutdown.set()
+        await asyncio.wait_for(run, timeout=10)
+        await fleet_client.aclose()
+        return seen
+
+    slots, inflight, capacity = asyncio.run(scenario())
+    assert slots == 0, "the drain kept its slot while only finishing in-flight requests"
+    assert inflight == 4 and capacity == 4  # still running, still holding their capacity leases
+    assert leases.count("drains") == 0 and leases.count("fleet") == 0
