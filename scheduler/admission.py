@@ -47,6 +47,10 @@ def shed_key(deployment: int) -> str:
     return f"shed:{pool_of(deployment)}"
 
 
+def kv_key(deployment: int) -> str:
+    return f"kv:{pool_of(deployment)}"
+
+
 def obs_key(deployment: int) -> str:
     return f"obs:{pool_of(deployment)}"
 
@@ -147,6 +151,15 @@ class Admission:
             return None
         published = self.leases.read(shed_key(deployment))
         return int(published) if published is not None and published.isdigit() else None
+
+    def kv_budget_tokens(self) -> int | None:
+        """KV cache tokens the fleet's decoders leave to batch work, summed over the deployments
+        whose controller published one (None: none did, so the claims size nothing by KV)."""
+        if not self.controlled:
+            return None
+        values = [self.leases.read(kv_key(d)) for d in range(self.deployments)]
+        budgets = [int(v) for v in values if v is not None and v.isdigit()]
+        return sum(budgets) if budgets else None
 
     def batch_rate(self) -> float | None:
         """Batch tokens/s (prompt + output) across the fleet, as the controller last measured it."""

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from scheduler.admission import RATE_KEY, ObservationLog, limit_key, obs_key, pool_of, shed_key
+from scheduler.admission import RATE_KEY, ObservationLog, kv_key, limit_key, obs_key, pool_of, shed_key
 from scheduler.leases import LeaseStore
 from scheduler.metrics import record_decision
 from scheduler.telemetry import FleetSnapshot, FleetTelemetry, KvModel
@@ -118,6 +118,8 @@ class Controller:
         self._queued_for = 0
         self._kv_per_request = 1024.0  # prompt + output tokens of a batch request, learned
         self.seen = False  # whether complete telemetry has ever arrived
+        # KV cache tokens the decoders leave to batch work, from the KV model (None: unknown).
+        self.kv_budget_tokens: int | None = None
 
     def _smooth(self, prev: float | None, new: float | None) -> float | None:
         if new is None:
@@ -137,7 +139,8 @@ class Controller:
                 cap = min(cap, int(fe.max_num_seqs * decoders * (1 - cfg.seq_reserve)))
             kv_tokens = cfg.kv.tokens(fe.kv_tokens_per_worker)
             if kv_tokens:
-                cap = min(cap, int(kv_tokens * decoders * cfg.kv_batch_share / self._kv_per_request))
+                self.kv_budget_tokens = int(kv_tokens * decoders * cfg.kv_batch_share)
+                cap = min(cap, int(self.kv_budget_tokens / self._kv_per_request))
         return max(cap, cfg.floor)
 
     def _fits(self, b: int, itl: float | None, target: float) -> int:
@@ -321,6 +324,8 @@ class CapacityLoop:
         # The limit lives a few periods: if this loop stops, admission falls back to the floor.
         ttl = max(1.0, 4 * period)
         self.leases.publish(limit_key(self.deployment), str(decision.limit), ttl_s=ttl)
+        if self.controller.kv_budget_tokens:  # for the claims' prefix-group sizing (jobs.claims)
+            self.leases.publish(kv_key(self.deployment), str(self.controller.kv_budget_tokens), ttl_s=60.0)
         if decision.shed_to is not None:
             self.leases.publish(shed_key(self.deployment), str(decision.shed_to), ttl_s=max(0.5, 2 * period))
         if self.publish_rate:

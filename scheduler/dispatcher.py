@@ -75,7 +75,7 @@ class Dispatcher:
         grace_s: float = 20.0,
         db_patience_s: float = 120.0,
         kv_budget_tokens: int | None = None,
-        expand_n: bool = False,
+        expand_n: bool | None = None,
     ) -> None:
         self.store = store
         self.leases = leases
@@ -85,7 +85,7 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self.hint_mode = hint_mode
         # Prefix-aware release (jobs.claims): the fleet's KV tokens open to batch work, and
-        # whether n > 1 goes as n requests (a fleet that ignores n).
+        # whether n > 1 goes as n requests (True), whole (False) or whole and completed (None).
         self.kv_budget_tokens = kv_budget_tokens
         self.expand_n = expand_n
         self.shutdown = shutdown or threading.Event()

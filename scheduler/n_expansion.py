@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import orjson
+
 from jobs.n_choices import merge_choices, split_n
 from jobs.prefixes import PREFIX_WARM_S
 from scheduler.fleet import FleetClient, FleetReply
@@ -15,18 +17,29 @@ async def post_request(
     endpoint: str,
     body: dict[str, Any],
     *,
-    expand_n: bool,
+    expand_n: bool | None,
     warm_s: float = PREFIX_WARM_S,
     deployment: int | None = None,
 ) -> FleetReply:
-    """POST one batch line's body; with `expand_n`, n > 1 goes as n requests and comes back as
-    one response. The first goes a moment ahead (PREFIX_WARM_S) so the others find the
+    """POST one batch line's body. n > 1: with `expand_n` None (auto, what drains use) the body
+    goes whole and only the choices a fleet ignoring n left out are sent as more requests;
+    with `expand_n` True it goes as n requests and comes back as one response. The first goes a moment ahead (PREFIX_WARM_S) so the others find the
     prompt's blocks cached. A failure of any of them is the line's failure: a transient one
     retries the whole line, so the client never gets fewer choices than it asked for.
     `deployment`: the deployment whose capacity lease the line holds (all n go there)."""
-    parts = split_n(endpoint, body) if expand_n else None
+    parts = split_n(endpoint, body) if expand_n is not False else None
     if parts is None:
         return await fleet.post(endpoint, body, deployment=deployment)
+    if expand_n is None:
+        # Auto: the request goes as it is; a fleet that honours n answers it whole. One that
+        # ignores n (the Dynamo mocker) answers with fewer choices: the missing ones are asked
+        # for one by one (the prompt is cached by now) and merged after the first answer.
+        whole = await fleet.post(endpoint, body, deployment=deployment)
+        got = _choices(whole) if whole.status_code == 200 else None
+        if got is None or got >= len(parts):
+            return whole
+        rest = await asyncio.gather(*(fleet.post(endpoint, part, deployment=deployment) for part in parts[got:]))
+        return _merged([whole, *rest])
     first = asyncio.ensure_future(fleet.post(endpoint, parts[0], deployment=deployment))
     try:
         await asyncio.wait([first], timeout=warm_s)
@@ -34,6 +47,22 @@ async def post_request(
         replies = [await first, *rest]
     finally:
         first.cancel()  # only still running if this line was shed or its drain is stopping
+    return _merged(replies)
+
+
+def _choices(reply: FleetReply) -> int | None:
+    """How many choices a successful answer holds (None: not a JSON object with choices)."""
+    try:
+        body = orjson.loads(reply.body)
+    except orjson.JSONDecodeError:
+        return None
+    choices = body.get("choices") if isinstance(body, dict) else None
+    return len(choices) if isinstance(choices, list) else None
+
+
+def _merged(replies: list[FleetReply]) -> FleetReply:
+    """One answer for the line: the first failure if any (a transient one first, so the line
+    is retried whole), else the choices merged into one response."""
     failed = [r for r in replies if r.status_code != 200]
     if failed:
         return next((r for r in failed if r.transient), failed[0])

@@ -155,10 +155,14 @@ def drain() -> int:
             s.fleet_url_list, timeout_s=s.fleet_timeout_s, api_key=s.fleet_api_key, redis_url=s.redis_url
         )
         try:
+            admission = get_admission()
             dispatcher = Dispatcher(
                 store=get_object_store(),
                 leases=leases,
-                admission=get_admission(),
+                admission=admission,
+                # The KV the controller's model leaves to batch work: prefix groups and agent
+                # sessions start only while what is in flight fits it (jobs.claims).
+                kv_budget_tokens=await asyncio.to_thread(admission.kv_budget_tokens),
                 fleet=fleet,
                 planner=make_planner(),
                 max_attempts=s.max_attempts,

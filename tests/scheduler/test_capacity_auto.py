@@ -18,6 +18,7 @@ from scheduler.admission import Admission, limit_key
 from scheduler.capacity import CapacityLoop, ControlConfig, Controller, DecisionLog, ObsDelta, Slo
 from scheduler.leases import RedisLeaseStore
 from scheduler.runtime import control_config, make_capacity_loop
+from scheduler.telemetry import KvModel
 from storage.settings import Settings
 from tests.scheduler.test_capacity import snap
 
@@ -113,3 +114,26 @@ def test_the_scheduler_loop_publishes_the_fixed_bound_and_warns_until_the_fleet_
     assert (d.reason, admission.limit()) == ("no-telemetry", 1)
     loop.withdraw()
     loop.telemetry.close()
+
+
+class _Snapshots:
+    def scrape(self) -> object:
+        return snap(time.monotonic())
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_controller_publishes_the_kv_budget_drains_size_prefix_groups_by(redis_url: str) -> None:
+    """The KV the controller's model leaves to batch work (tokens per decoder x decoders x the
+    batch share) reaches the drains through the lease store (scheduler/tasks.py passes it to
+    the claims); with control off there is none and nothing is sized by KV."""
+    leases = RedisLeaseStore(redis_url, namespace=f"capkv-{secrets.token_hex(4)}")
+    cfg = ControlConfig(slo=Slo(ttft_s=0.2, itl_s=0.02), floor=1, ceiling=64, kv=KvModel(bytes_per_token=576))
+    loop = CapacityLoop(Controller(cfg), _Snapshots(), leases)  # type: ignore[arg-type]
+    admission = Admission(leases, fixed_limit=8, ttl_s=60, controlled=True)
+    assert admission.kv_budget_tokens() is None  # nothing published yet
+    loop.once()
+    # snap(): 2 agg decoders reporting 2048 blocks x 64 tokens each, 80% of it open to batch work.
+    assert admission.kv_budget_tokens() == int(2048 * 64 * 2 * cfg.kv_batch_share)
+    assert Admission(leases, fixed_limit=8, ttl_s=60, controlled=False).kv_budget_tokens() is None

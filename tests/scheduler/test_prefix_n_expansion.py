@@ -96,3 +96,39 @@ def test_a_failed_sample_fails_the_line(fleet: Any) -> None:
 
     reply = asyncio.run(send())
     assert reply.status_code == 404 and "choices" not in orjson.loads(reply.body)
+
+
+def test_auto_completes_what_a_fleet_ignoring_n_left_out(fleet: Any) -> None:
+    """What drains do (expand_n None): the body goes whole; the mocker answers one choice, so
+    the other n-1 are asked for and merged: the client gets the n choices it asked for."""
+    body = {
+        "model": "tiny-chat",
+        "messages": [{"role": "user", "content": "Say something about rollouts. " * 40}],
+        "max_tokens": 4,
+        "n": 4,
+        "seed": 11,
+    }
+    sent: list[dict[str, Any]] = []
+
+    async def go() -> FleetReply:
+        client = FleetClient([fleet.base_url], timeout_s=60.0)
+        post = client.post
+
+        async def recording(endpoint: str, b: dict[str, Any], **kw: Any) -> FleetReply:
+            sent.append(b)
+            return await post(endpoint, b, **kw)
+
+        client.post = recording  # type: ignore[method-assign]
+        try:
+            return await post_request(client, CHAT, body, expand_n=None)
+        finally:
+            await client.aclose()
+
+    reply = asyncio.run(go())
+    merged = orjson.loads(reply.body)
+    assert reply.status_code == 200 and [c["index"] for c in merged["choices"]] == [0, 1, 2, 3]
+    assert merged["usage"]["completion_tokens"] == 16
+    # The whole body first (n=4, as a fleet honouring n would take it), then the 3 it left out,
+    # each with its own seed (seed+1.. : distinct samples, still reproducible).
+    assert sent[0] == body and [b.get("n") for b in sent[1:]] == [None] * 3
+    assert [b["seed"] for b in sent[1:]] == [12, 13, 14]
