@@ -111,6 +111,8 @@ def main() -> None:
             **service_env(home=Path(tmp), pg_url=pg_url, redis_url=REDIS_URL, s3=s3, fleet_url=fleet.base_url),
             "BACKFILL_BOOTSTRAP_API_KEY": key,
             "BACKFILL_MAX_INFLIGHT": str(args.concurrency),
+            # A fixed bound: this measures backfill's own machinery, not the controller.
+            "BACKFILL_CAPACITY_CONTROL": "off",
             "BACKFILL_LOG_LEVEL": "WARNING",
             "BACKFILL_RATE_LIMIT": "off",
         }
@@ -131,7 +133,9 @@ def main() -> None:
 
     assert n_out == args.requests, (n_out, args.requests)
     d_rps, b_rps = args.requests / direct_s, args.requests / backfill_s
-    print(f"requests={args.requests} concurrency={args.concurrency} max_tokens={args.max_tokens} fleet_workers={args.fleet_workers}")
+    print(
+        f"requests={args.requests} concurrency={args.concurrency} max_tokens={args.max_tokens} fleet_workers={args.fleet_workers}"
+    )
     print(f"{'path':<28}{'seconds':>10}{'req/s':>10}")
     print(f"{'direct asyncio client':<28}{direct_s:>10.1f}{d_rps:>10.1f}")
     print(f"{'backfill (upload->output)':<28}{backfill_s:>10.1f}{b_rps:>10.1f}")

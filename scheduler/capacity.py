@@ -173,9 +173,13 @@ class Controller:
         # where a pool does not report them (e.g. disaggregated prefill workers and TTFT).
         itl_raw = decode.itl_s if decode is not None and decode.itl_s is not None else fe.itl_s
         ttft_raw = prefill.ttft_s if prefill is not None and prefill.ttft_s is not None else fe.ttft_s
+        b = batch_inflight
+        if itl_raw is None and ttft_raw is None and fe.inflight == 0 and b == 0:
+            # Nothing running, so nothing measured: the last latency is stale, not a reading. Kept,
+            # it would hold a limit cut to a floor of 0 there for good (no work, no new figure).
+            self._itl = self._ttft = None
         self._itl = self._smooth(self._itl, itl_raw)
         self._ttft = self._smooth(self._ttft, ttft_raw)
-        b = batch_inflight
         if itl_raw is not None and b <= 2:
             self._itl_floor = itl_raw if self._itl_floor is None else 0.9 * self._itl_floor + 0.1 * itl_raw
         interactive = max(fe.streaming, fe.inflight - b)

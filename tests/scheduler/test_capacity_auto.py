@@ -137,3 +137,21 @@ def test_the_controller_publishes_the_kv_budget_drains_size_prefix_groups_by(red
     # snap(): 2 agg decoders reporting 2048 blocks x 64 tokens each, 80% of it open to batch work.
     assert admission.kv_budget_tokens() == int(2048 * 64 * 2 * cfg.kv_batch_share)
     assert Admission(leases, fixed_limit=8, ttl_s=60, controlled=False).kv_budget_tokens() is None
+
+
+def test_a_controller_cut_to_zero_grows_again_once_the_fleet_is_quiet() -> None:
+    """With the floor at 0, an over-SLO fleet is cut to no batch work at all. Nothing running
+    then means no latency samples: a stale smoothed latency must not hold the limit at 0
+    forever (a batch-only fleet stalled so, with every line pending and nothing sent)."""
+    c = Controller(ControlConfig(slo=Slo(ttft_s=0.2, itl_s=0.02), floor=0, ceiling=32))
+    t = time.monotonic()
+    for _ in range(12):  # batch work alone drives the fleet past its ITL target: cut to 0
+        t += 0.25
+        b = int(c.limit)
+        d = c.step(snap(t, itl=0.08, inflight=b), b, ObsDelta(), t)
+    assert d.limit == 0
+    limits = []
+    for _ in range(12):  # nothing in flight, no tokens, so no latency figures at all
+        t += 0.25
+        limits.append(c.step(snap(t, itl=None, ttft=None, inflight=0, running=0), 0, ObsDelta(), t).limit)
+    assert max(limits) >= 1, f"stuck at {limits}"
