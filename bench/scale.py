@@ -64,10 +64,12 @@ class ProcessSampler:
 
     roots: dict[str, int]
     peak_rss: dict[str, int] = field(default_factory=dict)
+    loads: list[float] = field(default_factory=list)  # the machine's 1-minute load average, per sample
     cpu: dict[int, float] = field(default_factory=dict)  # pid -> last seen user+system seconds
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def sample(self) -> None:
+        self.loads.append(os.getloadavg()[0])
         for name, pid in self.roots.items():
             try:
                 root = psutil.Process(pid)
@@ -218,6 +220,8 @@ def main() -> None:
                 **service_env(home=tmp / "home", pg_url=pg_url, redis_url=REDIS_URL, s3=s3, fleet_url=fleet.base_url),
                 "BACKFILL_BOOTSTRAP_API_KEY": key,
                 "BACKFILL_MAX_INFLIGHT": str(args.concurrency),
+                # A fixed bound: this measures backfill's own machinery, not the controller.
+                "BACKFILL_CAPACITY_CONTROL": "off",
                 "BACKFILL_MAX_FILE_BYTES": str(size + MB),
                 "BACKFILL_MAX_REQUESTS_PER_BATCH": str(max(args.lines, 50_000)),
                 "BACKFILL_COMPLETION_WINDOWS": args.window,
@@ -270,6 +274,11 @@ def main() -> None:
     print(
         f"\nCPU: backfill processes {backfill_cpu:.1f} s for {executed} executed requests; "
         f"direct client {direct_cpu:.1f} s for {ok}"
+    )
+    loads = sampler.loads
+    print(
+        f"load average (1 min) while backfill ran: start {loads[0]:.1f}, mean {sum(loads) / len(loads):.1f}, "
+        f"max {max(loads):.1f} ({os.cpu_count()} CPUs; other work on the machine counts too)"
     )
     peak = max(sampler.peak_rss.values()) / MB
     print(

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import json
 from array import array
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from hashlib import blake2b
 from pathlib import Path
 from typing import Any, Protocol
@@ -218,7 +220,14 @@ def plan_prefix_order(paths: Sequence[bytes], lines: Sequence[int], kv: Sequence
     of its lines carries the session's largest KV, so starting it reserves what it will need.
     """
     n = len(paths)
-    order = sorted(range(n), key=lambda i: (paths[i], lines[i]))
+    # Memory: a million lines must plan in tens of MB, so no per-line tuples, dicts or lists of
+    # ints beyond the sort itself. With the lines in increasing order (as validation gives them)
+    # the sort's stability breaks ties by line, so the paths alone are the key.
+    increasing = all(lines[i] < lines[i + 1] for i in range(n - 1))
+    if increasing:
+        order = array("q", sorted(range(n), key=paths.__getitem__))
+    else:
+        order = array("q", sorted(range(n), key=lambda i: (paths[i], lines[i])))
     rank, after, shared = array("q", bytes(8 * n)), array("q", bytes(8 * n)), array("q", bytes(8 * n))
     previous = 0
     for pos, i in enumerate(order):
@@ -241,14 +250,16 @@ def plan_prefix_order(paths: Sequence[bytes], lines: Sequence[int], kv: Sequence
         stack.append((path, lines[i], after[i]))
     session_kv = array("q", kv if kv is not None else bytes(8 * n))
     if kv is not None:
-        index = {line: i for i, line in enumerate(lines)}
-        root = list(range(n))
+        index: Callable[[int], int] = (
+            partial(bisect_left, lines) if increasing else {line: i for i, line in enumerate(lines)}.__getitem__
+        )
+        root = array("q", range(n))
         for i in order:  # an `after` line comes earlier in this order: its root is known
             if after[i]:
-                root[i] = root[index[after[i]]]
-        largest: dict[int, int] = {}
+                root[i] = root[index(after[i])]
+        largest = array("q", bytes(8 * n))  # per root
         for i in range(n):
-            largest[root[i]] = max(largest.get(root[i], 0), kv[i])
+            largest[root[i]] = max(largest[root[i]], kv[i])
         for i in range(n):
             session_kv[i] = largest[root[i]]
     return PrefixPlan(rank=rank, after=after, shared_blocks=shared, session_kv=session_kv)

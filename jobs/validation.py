@@ -12,6 +12,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
+from enum import Enum
 from itertools import islice
 from typing import Any
 
@@ -21,7 +22,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 
 from jobs.catalog import FleetUnavailable
-from jobs.models import Batch, BatchRequest, BatchStatus, RequestState, utcnow
+from jobs.models import Batch, BatchRequest, BatchStatus, utcnow
 from jobs.prefixes import (
     BLOCK_TOKENS,
     FINGERPRINT_BYTES,
@@ -72,20 +73,39 @@ class Limits:
     max_errors: int
 
 
+# The columns a request's index row fills, in the order `RequestIndex.rows` gives them.
+INDEX_COLUMNS = (
+    "line",
+    "custom_id",
+    "offset",
+    "length",
+    "prefix_hash",
+    "prefix_tokens",
+    "kv_tokens",
+    "prefix_rank",
+    "after_line",
+    "token_estimate",
+)
+_INTS = 5  # line, length, token estimate, KV tokens, completions (n): each fits an int32
+
+
 class RequestIndex(Collection[dict[str, Any]]):
-    """The index rows of a valid batch, kept in arrays: about 100 bytes a line plus its prompt
-    path (4 bytes a block) instead of a dict's 600, so a million-line batch fits a worker's memory.
+    """The index rows of a valid batch, kept in arrays: about 50 bytes a line plus its custom_id
+    and prompt path (4 bytes a block) instead of a dict's 600, so a million-line batch fits a
+    worker's memory. Iterating gives dicts (for tests and tools); `rows` gives the tuples the
+    database writer streams.
 
     The release order (`jobs.prefixes.plan_prefix_order`) is derived once all lines are in.
     """
 
     def __init__(self, block_tokens: int = BLOCK_TOKENS) -> None:
         self.block_tokens = block_tokens
-        # line, offset, length, token estimate, KV tokens and completions (n) of each request
-        self._numbers = array("q")
+        self._ints = array("i")  # _INTS numbers a line, each within INT32_MAX (checked by validation)
+        self._offsets = array("q")
         self._paths = bytearray()  # the prompt paths, one after another
         self._path_ends = array("q")
-        self._custom_ids: list[str] = []
+        self._ids = bytearray()  # the custom_ids in UTF-8, one after another
+        self._id_ends = array("q")
         self._plan: PrefixPlan | None = None
 
     def add(
@@ -99,14 +119,16 @@ class RequestIndex(Collection[dict[str, Any]]):
         kv_tokens: int,
         samples: int = 1,
     ) -> None:
-        self._numbers.extend((line, offset, length, token_estimate, min(kv_tokens, INT32_MAX), samples))
+        self._ints.extend((line, length, token_estimate, min(kv_tokens, INT32_MAX), samples))
+        self._offsets.append(offset)
         self._paths += path
         self._path_ends.append(len(self._paths))
-        self._custom_ids.append(custom_id)
+        self._ids += custom_id.encode()
+        self._id_ends.append(len(self._ids))
         self._plan = None
 
     def __len__(self) -> int:
-        return len(self._custom_ids)
+        return len(self._id_ends)
 
     def _path(self, i: int) -> bytes:
         return bytes(self._paths[self._path_ends[i - 1] if i else 0 : self._path_ends[i]])
@@ -114,29 +136,41 @@ class RequestIndex(Collection[dict[str, Any]]):
     def plan(self) -> PrefixPlan:
         if self._plan is None:
             paths = [self._path(i) for i in range(len(self))]
-            self._plan = plan_prefix_order(paths, self._numbers[0::6], self._numbers[4::6])
+            self._plan = plan_prefix_order(paths, self._ints[0::_INTS], self._ints[3::_INTS])
         return self._plan
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        n, plan, bt = self._numbers, self.plan(), self.block_tokens
-        for i, custom_id in enumerate(self._custom_ids):
-            path, shared = self._path(i), plan.shared_blocks[i]
-            if n[6 * i + 5] > 1:  # n completions share their whole prompt
-                shared = max(shared, len(path) // FINGERPRINT_BYTES)
+    def rows(self) -> Iterator[tuple[Any, ...]]:
+        """Each line's index row: the values of INDEX_COLUMNS, in order, in input order."""
+        ints, offsets, bt = self._ints, self._offsets, self.block_tokens
+        ids, id_ends = self._ids, self._id_ends
+        plan = self.plan()
+        shared_blocks, session_kv, rank, after = plan.shared_blocks, plan.session_kv, plan.rank, plan.after
+        start = 0
+        for i in range(len(self)):
+            k = _INTS * i
+            custom_id, start = ids[start : id_ends[i]].decode(), id_ends[i]
+            path, shared = self._path(i), shared_blocks[i]
+            blocks = len(path) // FINGERPRINT_BYTES
+            if ints[k + 4] > 1:  # n completions share their whole prompt
+                shared = max(shared, blocks)
             prefix_tokens = min(shared * bt, INT32_MAX)
-            yield {
-                "line": n[6 * i],
-                "custom_id": custom_id,
-                "offset": n[6 * i + 1],
-                "length": n[6 * i + 2],
+            yield (
+                ints[k],
+                custom_id,
+                offsets[i],
+                ints[k + 1],
                 # The node shared with other lines; a line sharing nothing is its own group.
-                "prefix_hash": node_id(path, shared or len(path) // FINGERPRINT_BYTES),
-                "prefix_tokens": prefix_tokens,
-                "kv_tokens": max(plan.session_kv[i], prefix_tokens),
-                "prefix_rank": plan.rank[i],
-                "after_line": plan.after[i] or None,
-                "token_estimate": n[6 * i + 3],
-            }
+                node_id(path, shared or blocks),
+                prefix_tokens,
+                max(session_kv[i], prefix_tokens),
+                rank[i],
+                after[i] or None,
+                ints[k + 2],
+            )
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for row in self.rows():
+            yield dict(zip(INDEX_COLUMNS, row, strict=True))
 
     def __contains__(self, item: object) -> bool:
         return any(row == item for row in self)
@@ -146,7 +180,7 @@ class RequestIndex(Collection[dict[str, Any]]):
 class ValidationResult:
     errors: list[dict[str, Any]] = field(default_factory=list)
     error_count: int = 0
-    requests: Collection[dict[str, Any]] = field(default_factory=RequestIndex)
+    requests: RequestIndex = field(default_factory=RequestIndex)
     model: str | None = None
     token_estimate: int = 0
 
@@ -285,10 +319,7 @@ def apply_validation(session: Session, *, batch_id: str, result: ValidationResul
         record_batch_event(session, batch_id=batch_id, status=BatchStatus.failed)  # the webhook outbox
         return BatchStatus.failed
     session.execute(delete(BatchRequest).where(BatchRequest.batch_id == batch_id))
-    # Rows are built a slice at a time: the whole index as dicts would be most of a GB.
-    rows = (dict(r, batch_id=batch_id, state=RequestState.pending) for r in result.requests)
-    while part := list(islice(rows, INSERT_ROWS)):
-        session.execute(insert(BatchRequest), part)
+    write_index(session, batch_id=batch_id, requests=result.requests)
     values: dict[str, Any] = {
         "model": result.model,
         "total": len(result.requests),
@@ -298,6 +329,47 @@ def apply_validation(session: Session, *, batch_id: str, result: ValidationResul
         values.update(status=BatchStatus.in_progress, in_progress_at=now)
     session.execute(update(Batch).where(Batch.id == batch_id).values(**values))
     return str(values.get("status", batch.status))
+
+
+def _row_columns() -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    """The columns an index row writes (batch_id, INDEX_COLUMNS, then every other column with a
+    constant default, since COPY applies no ORM defaults) and the values of those defaults."""
+    table = BatchRequest.__table__
+    given = {"batch_id", *INDEX_COLUMNS}
+    defaults = {
+        c.name: c.default.arg
+        for c in table.columns
+        if c.name not in given and c.default is not None and c.default.is_scalar
+    }
+    constants = tuple(v.value if isinstance(v, Enum) else v for v in defaults.values())
+    return ("batch_id", *INDEX_COLUMNS, *defaults), constants
+
+
+def write_index(session: Session, *, batch_id: str, requests: RequestIndex) -> None:
+    """Insert a batch's index rows in the session's transaction, streamed: nothing per line is
+    built beyond the row being written. Postgres gets one COPY (no statement per row: what is
+    left is the database's own work on the rows and their indexes); SQLite, the embedded mode,
+    multi-row INSERTs.
+
+    All or nothing with the transaction, so a validation killed midway leaves no rows and the
+    next attempt (which deletes the batch's rows first) starts clean."""
+    names, constants = _row_columns()
+    connection = session.connection()
+    rows = ((batch_id, *row, *constants) for row in requests.rows())
+    if connection.dialect.name == "postgresql":
+        columns = BatchRequest.__table__.columns
+        types = ["int8" if columns[n].type.python_type is int else "text" for n in names]
+        driver = connection.connection.driver_connection
+        assert driver is not None
+        statement = "COPY batch_requests ({}) FROM STDIN".format(", ".join(f'"{n}"' for n in names))
+        with driver.cursor() as cursor, cursor.copy(statement) as copy:
+            copy.set_types(types)
+            for row in rows:
+                copy.write_row(row)
+        return
+    insert_rows = insert(BatchRequest)
+    while part := [dict(zip(names, row, strict=True)) for row in islice(rows, INSERT_ROWS)]:
+        connection.execute(insert_rows, part)
 
 
 def fail_batch_validation(session: Session, *, batch_id: str, message: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -22,8 +23,9 @@ from storage.settings import get_settings
 
 CHUNK = 1024 * 1024
 # S3 parts are at least 5 MiB (all but the last); 8 MiB parts cap an object at 80 GB
-# (10,000 parts), far above any file limit, while one upload holds only two parts in memory.
+# (10,000 parts), far above any file limit, while one upload holds only three parts in memory.
 PART_BYTES = 8 * CHUNK
+PARTS_IN_FLIGHT = 2
 
 
 class ObjectTooLarge(Exception):
@@ -196,8 +198,9 @@ class S3ObjectStore:
     def put(self, key: str, chunks: Iterable[bytes], *, max_bytes: int | None = None) -> int:
         """One PUT for an object smaller than a part, else a multipart upload aborted on any failure.
 
-        Each part uploads on a helper thread while the caller produces the next one (a finalization
-        reads the database meanwhile): one part in flight and one filling, about 2 x PART_BYTES.
+        Parts upload on helper threads while the caller produces the next one (a finalization
+        reads the database meanwhile): up to PARTS_IN_FLIGHT uploading and one filling, so the
+        store's latency per part overlaps and memory stays at (PARTS_IN_FLIGHT + 1) x PART_BYTES.
         """
         counted = _Counted(chunks, max_bytes)
         parts = blocks(counted, PART_BYTES)
@@ -207,19 +210,21 @@ class S3ObjectStore:
             return counted.count
         upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
         try:
-            with ThreadPoolExecutor(1, thread_name_prefix="s3-part") as uploader:
-                in_flight = uploader.submit(self._upload_part, key, upload_id, 1, first)
+            with ThreadPoolExecutor(PARTS_IN_FLIGHT, thread_name_prefix="s3-part") as uploader:
+                in_flight = deque([uploader.submit(self._upload_part, key, upload_id, 1, first)])
                 del first
                 done = []
                 for number, body in enumerate(parts, start=2):
-                    done.append(in_flight.result())
-                    in_flight = uploader.submit(self._upload_part, key, upload_id, number, body)
-                done.append(in_flight.result())
+                    if len(in_flight) >= PARTS_IN_FLIGHT:
+                        done.append(in_flight.popleft().result())
+                    in_flight.append(uploader.submit(self._upload_part, key, upload_id, number, body))
+                    del body
+                done.extend(f.result() for f in in_flight)
             self.client.complete_multipart_upload(
                 Bucket=self.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": done}
             )
         except BaseException:
-            self._abort(key, upload_id)  # after the helper thread has stopped: no part lands later
+            self._abort(key, upload_id)  # after the helper threads have stopped: no part lands later
             raise
         return counted.count
 

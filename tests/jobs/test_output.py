@@ -16,6 +16,7 @@ import pytest
 from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from jobs import output
 from jobs.batches import cancel_batch
 from jobs.errors import Conflict
 from jobs.models import Batch, BatchRequest, BatchStatus, File, RequestState, Team, utcnow
@@ -74,7 +75,8 @@ def _batch(session: Session, *, status: BatchStatus, states: dict[int, RequestSt
 
 
 class PausingStore(LocalObjectStore):
-    """A local store whose writes stop after their first line until the test lets them go on."""
+    """A local store whose writes stop at their first chunk (the first page of lines, read from
+    an open query) until the test lets them go on."""
 
     def __init__(self, root: Path) -> None:
         super().__init__(root)
@@ -85,7 +87,7 @@ class PausingStore(LocalObjectStore):
     def put(self, key: str, chunks: Iterable[bytes], *, max_bytes: int | None = None) -> int:
         def paused() -> Iterator[bytes]:
             for n, chunk in enumerate(chunks):
-                if n == 1:
+                if n == 0:
                     self.writing.set()
                     assert self.resume.wait(60), "the test never resumed the write"
                 yield chunk
@@ -216,7 +218,7 @@ def test_a_cancelling_batch_ends_cancelled_and_a_repeated_cancel_is_not_blocked(
         batch = _batch(s, status=BatchStatus.cancelling, states=states)
         batch_id, team_id = batch.id, batch.team_id
     with ThreadPoolExecutor(1) as pool:
-        running = _start(pool, db, store, batch_id)  # pauses inside the error file (output has one line)
+        running = _start(pool, db, store, batch_id)  # pauses inside the output file
         with db.begin() as s:
             _lock_timeout(s)
             assert cancel_batch(s, team_id=None, batch_id=batch_id).status == BatchStatus.cancelling
@@ -252,3 +254,51 @@ def test_two_finalizations_at_once_write_the_same_files_and_one_set_of_rows(
         (derived_file_id(batch_id, kind), len(done[output_key(team_id, batch_id, kind)]))
         for kind in ("output", "error")
     )
+
+
+HOSTILE = ['q"uote', "back\\slash", "tab\tnew\nline\r", "\x01\x1f\x7f", "é€😀\u2028\ufeff", "</script>", ""]
+
+
+def test_the_database_writes_the_same_bytes_as_the_formatter(db: sessionmaker[Session]) -> None:
+    """On Postgres the lines are written by the database (one string a page); they must be the
+    bytes the Python formatter writes, whatever the values, across pages and with gaps."""
+    with db.begin() as s:
+        batch = _batch(s, status=BatchStatus.finalizing, states={})
+        states = [RequestState.succeeded, RequestState.failed, RequestState.expired, RequestState.cancelled]
+        for n in range(3 * output._ROWS_PER_FETCH // 2):
+            line = 1 + n + n // 7  # some line numbers unused (blank lines in the input)
+            text = HOSTILE[n % len(HOSTILE)]
+            s.add(
+                BatchRequest(
+                    batch_id=batch.id,
+                    line=line,
+                    custom_id=f"{text}-{n}",
+                    offset=0,
+                    length=1,
+                    state=states[n % len(states)],
+                    result_id=None if n % 3 == 0 else "" if n % 3 == 1 else f"res-{text}",
+                    status_code=None if n % 5 == 0 else 200,
+                    request_id=None if n % 4 == 0 else text,
+                    response_body=None if n % 6 == 0 else "" if n % 6 == 1 else orjson.dumps({"t": text}).decode(),
+                )
+            )
+        s.flush()
+        batch_id = batch.id
+    with db() as s:
+        rows = s.execute(
+            select(
+                BatchRequest.line,
+                BatchRequest.result_id,
+                BatchRequest.custom_id,
+                BatchRequest.state,
+                BatchRequest.status_code,
+                BatchRequest.request_id,
+                BatchRequest.response_body,
+            )
+            .where(BatchRequest.batch_id == batch_id)
+            .order_by(BatchRequest.line)
+        ).all()
+        for kind_states in (output.OUTPUT_STATES, output.ERROR_STATES):
+            written = b"".join(output.result_lines(s, batch_id, kind_states))
+            assert written == output._format_page(r for r in rows if r.state in kind_states)
+            assert all(orjson.loads(x) for x in written.splitlines())
