@@ -63,6 +63,19 @@ def chat(i: int, max_tokens: int) -> dict[str, Any]:
     return {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
 
 
+def drain_of(batch_id: str, leases: RedisLeaseStore, admission: Admission, fleet: FleetClient, **kw: Any) -> Dispatcher:
+    """A drain over one batch's lines (the planner gives it every release), 3 attempts a line."""
+    return Dispatcher(
+        store=get_object_store(),
+        leases=leases,
+        admission=admission,
+        fleet=fleet,
+        planner=lambda n: [(batch_id, n)],
+        max_attempts=3,
+        **kw,
+    )
+
+
 def test_a_stopping_drain_finishes_in_flight_work_within_the_grace(scratch_db: str, fleet: Any, redis_url: str) -> None:
     # 6 short requests (well inside the grace) and 6 that run far longer than it.
     batch_id = batch_from_lines([chat(i, 8 if i <= 6 else 20000) for i in range(1, 13)])
@@ -73,16 +86,7 @@ def test_a_stopping_drain_finishes_in_flight_work_within_the_grace(scratch_db: s
 
     async def scenario() -> tuple[Dispatcher, float]:
         fleet_client = FleetClient([fleet.base_url], timeout_s=120)
-        dispatcher = Dispatcher(
-            store=get_object_store(),
-            leases=leases,
-            admission=admission,
-            fleet=fleet_client,
-            planner=lambda n: [(batch_id, n)],
-            max_attempts=3,
-            shutdown=shutdown,
-            grace_s=grace_s,
-        )
+        dispatcher = drain_of(batch_id, leases, admission, fleet_client, shutdown=shutdown, grace_s=grace_s)
         run = asyncio.create_task(dispatcher.run(60.0, max_drains=1))
         deadline = time.monotonic() + 30
         # Every line sent: answered already (the short ones may finish before the last is sent,
@@ -119,14 +123,8 @@ def test_a_drain_told_to_stop_before_it_starts_takes_nothing(scratch_db: str, fl
     async def scenario() -> int:
         client = FleetClient([fleet.base_url], timeout_s=30)
         try:
-            dispatcher = Dispatcher(
-                store=get_object_store(),
-                leases=leases,
-                admission=Admission(leases, fixed_limit=4, ttl_s=3.0),
-                fleet=client,
-                planner=lambda n: [(batch_id, n)],
-                max_attempts=3,
-                shutdown=shutdown,
+            dispatcher = drain_of(
+                batch_id, leases, Admission(leases, fixed_limit=4, ttl_s=3.0), client, shutdown=shutdown
             )
             return await dispatcher.run(10.0, max_drains=1)
         finally:
@@ -239,16 +237,7 @@ def test_a_drain_past_its_slice_frees_its_slot_while_its_requests_finish(
 
     async def scenario() -> tuple[int, int, int]:
         fleet_client = FleetClient([fleet.base_url], timeout_s=120)
-        dispatcher = Dispatcher(
-            store=get_object_store(),
-            leases=leases,
-            admission=admission,
-            fleet=fleet_client,
-            planner=lambda n: [(batch_id, n)],
-            max_attempts=3,
-            shutdown=shutdown,
-            grace_s=1.0,
-        )
+        dispatcher = drain_of(batch_id, leases, admission, fleet_client, shutdown=shutdown, grace_s=1.0)
         run = asyncio.create_task(dispatcher.run(1.0, max_drains=1))
         deadline = time.monotonic() + 30
         while len(dispatcher._calls) < 4:
