@@ -37,7 +37,9 @@ def test_backfill_up_runs_a_batch(tmp_path: Path) -> None:
     try:
         deadline = time.monotonic() + 240
         text = ""
-        while "backfill is up" not in text:
+        # The status block ends with this line: wait for all of it, not its first line (the
+        # key and fleet lines may not be written yet when "backfill is up" is).
+        while "Ctrl-C stops everything" not in text:
             assert proc.poll() is None, text[-3000:]
             assert time.monotonic() < deadline, text[-3000:]
             time.sleep(0.5)
