@@ -15,7 +15,7 @@ from sqlalchemy import Select, or_, select, update
 from sqlalchemy.orm import Session, aliased
 
 from jobs.files import file_key
-from jobs.models import Batch, BatchRequest, BatchStatus, RequestState, utcnow
+from jobs.models import SERVED_LINES, Batch, BatchRequest, BatchStatus, RequestState, utcnow
 from jobs.prefixes import PREFIX_WARM_S
 
 HOT_PREFIXES = 32  # shared prefixes in flight that another batch's claim looks for first
@@ -189,7 +189,7 @@ def _served_since(session: Session, *, batch_id: str, prefixes: set[str], now: d
             select(BatchRequest.line)
             .where(
                 BatchRequest.batch_id == batch_id,
-                BatchRequest.state.in_([RequestState.running, RequestState.succeeded, RequestState.failed]),
+                SERVED_LINES,
                 BatchRequest.prefix_hash == prefix_hash,
                 BatchRequest.claimed_at <= warmed_before,
             )

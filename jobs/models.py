@@ -24,7 +24,7 @@ from sqlalchemy import (
     String,
     Text,
     TypeDecorator,
-    UniqueConstraint,
+    text,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Mapped, mapped_column
@@ -180,11 +180,22 @@ class Batch(Base):
     __table_args__ = (Index("ix_batches_team_created", "team_id", "created_at", "id"),)
 
 
+# The predicates of batch_requests' partial indexes. Queries that need the index say them as
+# these SQL literals: compared with a bound parameter, a generic plan cannot prove them.
+RUNNING = "state = 'running'"
+SERVED = "state IN ('running', 'succeeded', 'failed')"
+RUNNING_LINES = text(f"batch_requests.{RUNNING}")
+SERVED_LINES = text(f"batch_requests.{SERVED}")
+
+
 class BatchRequest(Base):
     """One input line: a compact index into the input file plus its execution record."""
 
     __tablename__ = "batch_requests"
-    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True)
+    # No foreign key to batches, and no unique (batch_id, custom_id): validation writes a batch's
+    # lines once, under its batch row's lock, after rejecting duplicate ids, and batches are never
+    # deleted; a check per line would cost a million-line COPY a third of its time (migration 0008).
+    batch_id: Mapped[str] = mapped_column(String(32), primary_key=True)
     line: Mapped[int] = mapped_column(Integer, primary_key=True)
     custom_id: Mapped[str] = mapped_column(String(512))
     offset: Mapped[int] = mapped_column(BigInteger)
@@ -218,12 +229,24 @@ class BatchRequest(Base):
     finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
 
     __table_args__ = (
-        UniqueConstraint("batch_id", "custom_id", name="uq_batch_requests_custom_id"),
-        # The dispatcher's pick: pending lines of a batch, grouped by prompt prefix.
-        Index("ix_batch_requests_pick", "batch_id", "state", "prefix_hash", "line"),
-        # ...and in prefix-tree order.
+        # The dispatcher's pick: pending lines of a batch in prefix-tree order (a claim looks at
+        # most jobs.claims.SCAN_LINES into it, so a hot prefix is found there too).
         Index("ix_batch_requests_rank", "batch_id", "state", "prefix_rank", "line"),
-        Index("ix_batch_requests_state", "state", "claim_token"),
+        # Whether a prefix was served a while ago (its blocks are cached): only lines that ran.
+        Index(
+            "ix_batch_requests_served",
+            "batch_id",
+            "prefix_hash",
+            postgresql_where=text(SERVED),
+            sqlite_where=text(SERVED),
+        ),
+        # Running lines by holder (reclaiming a dead drain's lines); pending lines cost it nothing.
+        Index(
+            "ix_batch_requests_running",
+            "claim_token",
+            postgresql_where=text(RUNNING),
+            sqlite_where=text(RUNNING),
+        ),
     )
 
 

@@ -14,14 +14,12 @@ from datetime import datetime
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from jobs.models import Batch, BatchRequest, BatchStatus, RequestState, utcnow
+from jobs.models import RUNNING_LINES, Batch, BatchRequest, BatchStatus, RequestState, utcnow
 from jobs.results import attempts_exceeded, record_outcomes
 
 
 def running_claim_tokens(session: Session) -> list[str]:
-    rows = session.execute(
-        select(BatchRequest.claim_token).where(BatchRequest.state == RequestState.running).distinct()
-    ).scalars()
+    rows = session.execute(select(BatchRequest.claim_token).where(RUNNING_LINES).distinct()).scalars()
     return [t for t in rows if t]
 
 
@@ -29,9 +27,7 @@ def lines_held_by(session: Session, claim_token: str) -> dict[str, list[int]]:
     """The running lines a claim holds, by batch."""
     out: dict[str, list[int]] = {}
     rows = session.execute(
-        select(BatchRequest.batch_id, BatchRequest.line).where(
-            BatchRequest.state == RequestState.running, BatchRequest.claim_token == claim_token
-        )
+        select(BatchRequest.batch_id, BatchRequest.line).where(RUNNING_LINES, BatchRequest.claim_token == claim_token)
     )
     for batch_id, line in rows:
         out.setdefault(batch_id, []).append(line)
@@ -57,7 +53,7 @@ def reclaim_orphans(session: Session, *, dead_tokens: Sequence[str], max_attempt
     out = Reclaimed()
     if not dead_tokens:
         return out
-    held = and_(BatchRequest.state == RequestState.running, BatchRequest.claim_token.in_(list(dead_tokens)))
+    held = and_(RUNNING_LINES, BatchRequest.claim_token.in_(list(dead_tokens)))
     exhausted = session.execute(
         select(BatchRequest.claim_token, BatchRequest.batch_id, BatchRequest.line, BatchRequest.attempts).where(
             held, BatchRequest.attempts + 1 >= max_attempts
