@@ -17,14 +17,17 @@ batch that was already `cancelling` stays so and ends `cancelled`.
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from itertools import islice
 from typing import Any
 
 import orjson
-from sqlalchemy import Exists, bindparam, case, exists, func, select, update
+from sqlalchemy import Engine, Exists, bindparam, case, exists, func, select, update
 from sqlalchemy.orm import Session
 
 from jobs.models import Batch, BatchRequest, BatchStatus, File, RequestState, utcnow
@@ -43,6 +46,7 @@ ERROR_MESSAGES = {
 OUTPUT_STATES = (RequestState.succeeded,)
 ERROR_STATES = (RequestState.failed, RequestState.cancelled, RequestState.expired)
 _ROWS_PER_FETCH = 5000  # lines a page: at most about 3 MB of 600-byte answers
+PG_READERS = 2  # pages read at once (each on a connection of its own): see _pg_pages
 
 
 def derived_file_id(batch_id: str, kind: str) -> str:
@@ -109,16 +113,9 @@ def result_lines(session: Session, batch_id: str, states: Sequence[str]) -> Iter
     last = connection.execute(select(func.max(c.line)).where(c.batch_id == batch_id)).scalar() or 0
     wanted = [str(s) for s in states]
     if connection.dialect.name == "postgresql":
-        driver = connection.connection.driver_connection
-        assert driver is not None
         params: dict[str, Any] = {"batch_id": batch_id, "states": wanted}
         params.update({f"error_{state}": body.decode() for state, body in _ERROR_BODIES.items()})
-        with driver.cursor() as cursor:
-            for start in range(0, last, _ROWS_PER_FETCH):
-                cursor.execute(_PG_PAGE_SQL, {**params, "start": start, "end": start + _ROWS_PER_FETCH})
-                row = cursor.fetchone()
-                if row is not None and row[0]:
-                    yield row[0].encode()
+        yield from _pg_pages(connection.engine, params, last)
         return
     page_rows = (
         select(c.line, c.result_id, c.custom_id, c.state, c.status_code, c.request_id, c.response_body)
@@ -130,6 +127,32 @@ def result_lines(session: Session, batch_id: str, states: Sequence[str]) -> Iter
     for start in range(0, last, _ROWS_PER_FETCH):
         if chunk := _format_page(connection.execute(query, {"start": start, "end": start + _ROWS_PER_FETCH})):
             yield chunk
+
+
+def _pg_pages(engine: Engine, params: dict[str, Any], last: int) -> Iterator[bytes]:
+    """The pages in order, PG_READERS read at once on connections of their own: Postgres writes
+    the lines, a page at a time on one backend, and one backend is what limits finalization.
+    The lines of a finalizing batch are settled, so the connections need no shared snapshot."""
+
+    def page(start: int) -> bytes:
+        with engine.connect() as connection:
+            driver = connection.connection.driver_connection
+            assert driver is not None
+            with driver.cursor() as cursor:
+                cursor.execute(_PG_PAGE_SQL, {**params, "start": start, "end": start + _ROWS_PER_FETCH})
+                row = cursor.fetchone()
+            connection.rollback()
+        return row[0].encode() if row is not None and row[0] else b""
+
+    starts = iter(range(0, last, _ROWS_PER_FETCH))
+    with ThreadPoolExecutor(PG_READERS, thread_name_prefix="finalize-read") as pool:
+        ahead = deque(pool.submit(page, start) for start in islice(starts, 2 * PG_READERS))
+        while ahead:
+            chunk = ahead.popleft().result()
+            for start in islice(starts, 1):
+                ahead.append(pool.submit(page, start))
+            if chunk:
+                yield chunk
 
 
 def _format_page(rows: Iterable[Any]) -> bytes:

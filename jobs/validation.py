@@ -130,6 +130,22 @@ class RequestIndex(Collection[dict[str, Any]]):
     def __len__(self) -> int:
         return len(self._id_ends)
 
+    def extend(self, other: RequestIndex, *, line_base: int) -> None:
+        """Append another index's lines, their numbers shifted by `line_base` (the lines before
+        the other's part of the file)."""
+        ints = array("i", other._ints)
+        if line_base:
+            ints[0::_INTS] = array("i", [n + line_base for n in ints[0::_INTS]])
+        self._ints.extend(ints)
+        self._offsets.extend(other._offsets)
+        shift = len(self._paths)
+        self._paths += other._paths
+        self._path_ends.extend(end + shift for end in other._path_ends)
+        shift = len(self._ids)
+        self._ids += other._ids
+        self._id_ends.extend(end + shift for end in other._id_ends)
+        self._plan = None
+
     def _path(self, i: int) -> bytes:
         return bytes(self._paths[self._path_ends[i - 1] if i else 0 : self._path_ends[i]])
 
@@ -145,6 +161,7 @@ class RequestIndex(Collection[dict[str, Any]]):
         ids, id_ends = self._ids, self._id_ends
         plan = self.plan()
         shared_blocks, session_kv, rank, after = plan.shared_blocks, plan.session_kv, plan.rank, plan.after
+        no_blocks = node_id(b"", 0)  # a prompt shorter than one block: the common short line
         start = 0
         for i in range(len(self)):
             k = _INTS * i
@@ -160,7 +177,7 @@ class RequestIndex(Collection[dict[str, Any]]):
                 offsets[i],
                 ints[k + 1],
                 # The node shared with other lines; a line sharing nothing is its own group.
-                node_id(path, shared or blocks),
+                node_id(path, shared or blocks) if path else no_blocks,
                 prefix_tokens,
                 max(session_kv[i], prefix_tokens),
                 rank[i],
@@ -190,6 +207,19 @@ class ValidationResult:
             self.errors.append({"code": code, "message": message[:MESSAGE_CHARS], "param": param, "line": line})
 
 
+@dataclass
+class LineScan:
+    """What one pass over a run of lines found, before the whole-file checks (`finish_validation`).
+    A file is one run, or several scanned apart and merged (`jobs.validation_parallel`)."""
+
+    result: ValidationResult
+    seen_ids: dict[str, int] = field(default_factory=dict)  # custom_id -> its line
+    models: dict[str, int] = field(default_factory=dict)  # model -> first line naming it
+    requests: int = 0  # lines that are not blank
+    lines: int = 0  # the last line number the run used
+    stopped: bool = False  # past max_requests: the rest was not read
+
+
 def validate_lines(
     chunks: Iterable[bytes],
     *,
@@ -202,12 +232,24 @@ def validate_lines(
 
     `blocks` fingerprints each prompt along its token stream (the model's tokenizer where
     backfill has it); by default a stable text approximation."""
+    # One byte of slack for the '\r' of a CRLF line, which is not part of the request.
+    numbered = iter_lines_bounded(chunks, max_line_bytes=min(limits.max_line_bytes, INT32_MAX - 1) + 1)
+    scan = scan_lines(numbered, endpoint=endpoint, limits=limits, blocks=blocks)
+    return finish_validation(scan, limits=limits, served_models=served_models)
+
+
+def scan_lines(
+    numbered: Iterable[tuple[int, int, int, bytes | None]],
+    *,
+    endpoint: str,
+    limits: Limits,
+    blocks: PromptBlocks | None = None,
+) -> LineScan:
+    """Check each line of `numbered` ((number, offset, length, raw or None past the limit), as
+    `iter_lines_bounded` gives them) on its own, and index the valid ones."""
     blocks = blocks or TextBlocks()
-    result = ValidationResult()
-    index = RequestIndex()
-    result.requests = index
-    seen_ids: set[str] = set()
-    models: dict[str, int] = {}
+    scan = LineScan(ValidationResult())
+    result, index, seen_ids, models = scan.result, scan.result.requests, scan.seen_ids, scan.models
     # Line numbers, lengths and counts go into Integer columns.
     max_requests = min(limits.max_requests, INT32_MAX)
     max_line_bytes = min(limits.max_line_bytes, INT32_MAX - 1)
@@ -217,8 +259,7 @@ def validate_lines(
     def fail(code: str, message: str, param: str | None) -> None:
         result.add_error(limits, code=code, message=message, line=number, param=param)
 
-    # One byte of slack for the '\r' of a CRLF line, which is not part of the request.
-    for number, offset, length, raw in iter_lines_bounded(chunks, max_line_bytes=max_line_bytes + 1):
+    for number, offset, length, raw in numbered:
         if raw is not None and (not raw or raw.isspace()):
             continue  # blank lines are skipped, as OpenAI does
         count += 1
@@ -226,12 +267,13 @@ def validate_lines(
             fail(
                 "too_many_requests", f"The file has more than {max_requests} requests, the most a batch may hold.", None
             )
+            scan.stopped = True
             break
         line = raw[:-1] if raw is not None and raw.endswith(b"\r") else raw
         if line is None or len(line) > max_line_bytes:
             fail("line_too_large", f"Line is {length} bytes; the limit is {max_line_bytes}.", None)
             continue
-        request = check_line(line, endpoint=endpoint, seen_ids=seen_ids, fail=fail)
+        request = check_line(line, endpoint=endpoint, seen_ids=seen_ids, fail=fail, number=number)
         if request is None:
             continue
         models.setdefault(request.model, number)
@@ -247,11 +289,19 @@ def validate_lines(
             prompt_tokens + request.output_tokens,
             n if type(n := request.body.get("n")) is int else 1,
         )
+    scan.requests, scan.lines = count, number
+    return scan
+
+
+def finish_validation(scan: LineScan, *, limits: Limits, served_models: set[str] | None) -> ValidationResult:
+    """The checks that need the whole file: some request at all, one model that is served, and
+    how many errors went unlisted."""
+    result = scan.result
     # Cannot overflow with the per-request bound, but the column is what must hold it.
     result.token_estimate = min(result.token_estimate, INT64_MAX)
-    if count == 0:
+    if scan.requests == 0:
         result.add_error(limits, code="empty_file", message="The input file has no requests.", line=None)
-    _check_models(result, limits, models, served_models)
+    _check_models(result, limits, scan.models, served_models)
     if result.error_count > len(result.errors):
         result.errors.append(
             {

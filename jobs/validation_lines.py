@@ -112,8 +112,11 @@ class CheckedRequest:
     output_tokens: int  # the most it may generate, all n completions together
 
 
-def check_line(line: bytes, *, endpoint: str, seen_ids: set[str], fail: ErrorSink) -> CheckedRequest | None:
-    """Every rule one line must meet; each broken rule goes to `fail`. None if any broke."""
+def check_line(
+    line: bytes, *, endpoint: str, seen_ids: dict[str, int], fail: ErrorSink, number: int = 0
+) -> CheckedRequest | None:
+    """Every rule one line must meet; each broken rule goes to `fail`. None if any broke.
+    `seen_ids` maps the custom_ids met so far to their line numbers; this line's is added."""
     try:
         obj = orjson.loads(line)
     except orjson.JSONDecodeError as exc:
@@ -122,7 +125,7 @@ def check_line(line: bytes, *, endpoint: str, seen_ids: set[str], fail: ErrorSin
     if not isinstance(obj, dict):
         fail("invalid_request", f"Each line must be a JSON object, not {quote(obj)}.", None)
         return None
-    ok = _check_envelope(obj, endpoint=endpoint, seen_ids=seen_ids, fail=fail)
+    ok = _check_envelope(obj, endpoint=endpoint, seen_ids=seen_ids, fail=fail, number=number)
     body = obj.get("body")
     if not isinstance(body, dict):
         fail("invalid_body", f"'body' must be a JSON object, not {_given(obj, 'body')}.", "body")
@@ -146,7 +149,9 @@ def check_line(line: bytes, *, endpoint: str, seen_ids: set[str], fail: ErrorSin
     return CheckedRequest(obj["custom_id"], body["model"], prompt, estimate, body, output)
 
 
-def _check_envelope(obj: dict[str, Any], *, endpoint: str, seen_ids: set[str], fail: ErrorSink) -> bool:
+def _check_envelope(
+    obj: dict[str, Any], *, endpoint: str, seen_ids: dict[str, int], fail: ErrorSink, number: int
+) -> bool:
     ok = True
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
@@ -167,10 +172,10 @@ def _check_envelope(obj: dict[str, Any], *, endpoint: str, seen_ids: set[str], f
         fail("invalid_custom_id", f"'custom_id' {quote(custom_id)} contains a NUL character.", "custom_id")
         ok = False
     elif custom_id in seen_ids:
-        fail("duplicate_custom_id", f"The custom_id {quote(custom_id)} is used more than once.", "custom_id")
+        fail("duplicate_custom_id", duplicate_id_message(custom_id), "custom_id")
         ok = False
     else:
-        seen_ids.add(custom_id)
+        seen_ids[custom_id] = number
     if obj.get("method") != "POST":
         fail("invalid_method", f"'method' must be 'POST', not {_given(obj, 'method')}.", "method")
         ok = False
@@ -213,6 +218,10 @@ def _check_body(body: dict[str, Any], fail: ErrorSink, *, deep: bool = True) -> 
             fail("invalid_body", f"'body' is nested more than {MAX_BODY_DEPTH} levels deep.", "body")
             ok = False
     return ok
+
+
+def duplicate_id_message(custom_id: str) -> str:
+    return f"The custom_id {quote(custom_id)} is used more than once."
 
 
 def _given(obj: dict[str, Any], key: str) -> str:

@@ -22,11 +22,13 @@ from types import FrameType
 
 from billiard.process import active_children
 from celery.signals import task_postrun, task_prerun, worker_process_init, worker_shutting_down
+from sqlalchemy import select
 
 from jobs import output, validation
 from jobs.catalog import get_catalog
 from jobs.files import file_key
-from jobs.models import Batch, BatchStatus
+from jobs.models import Batch, BatchStatus, File
+from jobs.validation_parallel import default_processes, validate_object
 from scheduler.dispatcher import Dispatcher
 from scheduler.fleet import FleetClient
 from scheduler.leases import exclusive_lease, get_lease_store
@@ -109,12 +111,16 @@ def validate_batch(batch_id: str) -> str:
             return batch.status if batch else "missing"
         key = file_key(batch.team_id, batch.input_file_id)
         endpoint = batch.endpoint
+        size = session.execute(select(File.bytes).where(File.id == batch.input_file_id)).scalar() or 0
     with exclusive_lease(get_lease_store(), f"validate:{batch_id}", ttl_s=VALIDATION_LEASE_TTL_S) as mine:
         if not mine:
             return "busy"
         try:
-            result = validation.validate_lines(
-                get_object_store().open(key),
+            result = validate_object(
+                get_object_store,
+                key,
+                size,
+                processes=s.validation_processes or default_processes(),
                 endpoint=endpoint,
                 served_models=get_catalog().model_ids(),
                 limits=validation.Limits(

@@ -42,7 +42,10 @@ class StoredObject(NamedTuple):
 
 class ObjectStore(Protocol):
     def put(self, key: str, chunks: Iterable[bytes], *, max_bytes: int | None = None) -> int: ...
-    def open(self, key: str) -> Iterator[bytes]: ...
+    def open(self, key: str, *, start: int = 0) -> Iterator[bytes]:
+        """The object's bytes from offset `start` to its end, a chunk at a time."""
+        ...
+
     def read_range(self, key: str, offset: int, length: int) -> bytes: ...
     def delete(self, key: str) -> None: ...
     def list(self, prefix: str) -> Iterator[StoredObject]: ...
@@ -117,11 +120,12 @@ class LocalObjectStore:
             raise
         return counted.count
 
-    def open(self, key: str) -> Iterator[bytes]:
+    def open(self, key: str, *, start: int = 0) -> Iterator[bytes]:
         path = self._path(key)
         if not path.exists():
             raise FileNotFoundError(key)
         fh: IO[bytes] = path.open("rb")
+        fh.seek(start)
 
         def gen() -> Iterator[bytes]:
             with fh:
@@ -240,11 +244,12 @@ class S3ObjectStore:
         except (BotoCoreError, ClientError):
             pass  # the original failure matters more; a bucket lifecycle rule reaps what is left
 
-    def open(self, key: str) -> Iterator[bytes]:
+    def open(self, key: str, *, start: int = 0) -> Iterator[bytes]:
         from botocore.exceptions import ClientError
 
         try:
-            body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
+            ranged = {"Range": f"bytes={start}-"} if start else {}
+            body = self.client.get_object(Bucket=self.bucket, Key=key, **ranged)["Body"]
         except ClientError as exc:
             if exc.response["Error"]["Code"] in ("NoSuchKey", "404"):
                 raise FileNotFoundError(key) from exc

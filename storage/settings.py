@@ -62,6 +62,8 @@ class Settings(BaseSettings):
     max_requests_per_batch: int = 50_000
     max_line_bytes: int = 10 * 1024 * 1024
     max_reported_errors: int = 100
+    # Processes that validate one large input file (past 32 MB) together; 0: one per CPU, up to 8.
+    validation_processes: int = 0
     # Extra completion windows besides OpenAI's 24h, e.g. "1h,7d" (units s, m, h, d).
     completion_windows: str = "24h"
     file_expiry_default_s: int = 30 * 24 * 3600
