@@ -8,19 +8,20 @@ line numbers shifted by the lines before each range, custom_ids checked across r
 request indexes joined. The whole-file checks then run once (`finish_validation`), so the
 result is the one a single pass gives.
 
-The processes come from a fork server (started clean, not forked from a worker that may hold
-threads and their locks), which imports this module once.
+Each other range goes to a fresh interpreter running this module (see `_start_scanner`); this
+process scans the first range meanwhile.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
+import pickle
+import subprocess
+import sys
+import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from itertools import chain
 
@@ -57,23 +58,63 @@ def validate_object(
     processes = min(processes, size // (PARALLEL_MIN_BYTES // 2) or 1)
     if processes < 2 or size < PARALLEL_MIN_BYTES:
         return validate_lines(open_store().open(key), endpoint=endpoint, served_models=served_models, limits=limits)
+    started = time.monotonic()
     bounds = [size * i // processes for i in range(processes + 1)]
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([__name__])
-    args = (open_store, key)
+    scanners = [
+        _start_scanner((open_store, key, bounds[i], bounds[i + 1], endpoint, limits)) for i in range(1, processes)
+    ]
     try:
         # This process scans the first range while the others scan the rest.
-        with ProcessPoolExecutor(processes - 1, mp_context=context) as pool:
-            futures = [
-                pool.submit(packed_scan_range, *args, bounds[i], bounds[i + 1], endpoint, limits)
-                for i in range(1, processes)
-            ]
-            first = scan_range(*args, bounds[0], bounds[1], endpoint, limits)
-            rest = [f.result() for f in futures]
-    except BrokenProcessPool:  # a process was killed (memory?): one pass here still gives the answer
-        log.warning("validation of %s: a scanning process died; validating in one process", key, exc_info=True)
+        first = scan_range(open_store, key, bounds[0], bounds[1], endpoint, limits)
+        rest = [_collect(scanner) for scanner in scanners]
+    except ScannerFailed:  # killed (memory?), or could not start: one pass here still gives the answer
+        log.warning("validation of %s: a scanning process failed; validating in one process", key, exc_info=True)
         return validate_lines(open_store().open(key), endpoint=endpoint, served_models=served_models, limits=limits)
-    return finish_validation(merge_scans(first, rest, limits), limits=limits, served_models=served_models)
+    finally:
+        for scanner in scanners:
+            if scanner.poll() is None:
+                scanner.kill()
+                scanner.wait()
+    result = finish_validation(merge_scans(first, rest, limits), limits=limits, served_models=served_models)
+    log.info(
+        "validated %s: %.1f MB, %d requests, %d errors, in %.1f s on %d processes",
+        key,
+        size / 1e6,
+        len(result.requests),
+        result.error_count,
+        time.monotonic() - started,
+        processes,
+    )
+    return result
+
+
+class ScannerFailed(Exception):
+    pass
+
+
+def _start_scanner(args: tuple[object, ...]) -> subprocess.Popen[bytes]:
+    """A scanner is a fresh interpreter (`python -m jobs.validation_parallel`) given its range as
+    a pickle on stdin: not a multiprocessing child, which Celery's daemonic pool processes may
+    not have, nor a fork of a worker that may hold other threads' locks."""
+    proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(pickle.dumps(args))
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass  # it died at once: _collect says so
+    return proc
+
+
+def _collect(proc: subprocess.Popen[bytes]) -> PackedScan:
+    assert proc.stdout is not None
+    data = proc.stdout.read()
+    code = proc.wait()
+    if code != 0 or not data:
+        raise ScannerFailed(f"scanner exited with {code}")
+    scan = pickle.loads(data)
+    assert isinstance(scan, PackedScan)
+    return scan
 
 
 @dataclass
@@ -193,3 +234,11 @@ def _duplicate(custom_id: str, line: int) -> dict[str, object]:
         "param": "custom_id",
         "line": line,
     }
+
+
+if __name__ == "__main__":  # a scanner: see _start_scanner
+    # Through the module's own name, so what is pickled names `jobs.validation_parallel`, not `__main__`.
+    from jobs import validation_parallel
+
+    scan = validation_parallel.packed_scan_range(*pickle.load(sys.stdin.buffer))
+    sys.stdout.buffer.write(pickle.dumps(scan, protocol=5))
