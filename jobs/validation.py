@@ -36,6 +36,7 @@ from jobs.quotas import quota_errors
 from jobs.validation_lines import (
     INT32_MAX,
     INT64_MAX,
+    SeenIds,
     check_line,
     iter_lines,
     iter_lines_bounded,
@@ -213,7 +214,7 @@ class LineScan:
     A file is one run, or several scanned apart and merged (`jobs.validation_parallel`)."""
 
     result: ValidationResult
-    seen_ids: dict[str, int] = field(default_factory=dict)  # custom_id -> its line
+    seen_ids: SeenIds = field(default_factory=SeenIds)
     models: dict[str, int] = field(default_factory=dict)  # model -> first line naming it
     requests: int = 0  # lines that are not blank
     lines: int = 0  # the last line number the run used

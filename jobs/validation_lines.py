@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import reprlib
 import sys
+from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -102,6 +103,27 @@ def iter_lines_bounded(chunks: Iterable[bytes], *, max_line_bytes: int) -> Itera
         yield number + 1, offset, held, None if skipping else b"".join(parts)
 
 
+class SeenIds:
+    """The custom_ids met so far, in the order met, with their line numbers in an array: a
+    million ids cost their strings and a table entry each, no int object per line."""
+
+    __slots__ = ("ids", "lines")
+
+    def __init__(self) -> None:
+        self.ids: dict[str, None] = {}  # a dict for its order; a set has none
+        self.lines = array("i")
+
+    def __contains__(self, custom_id: object) -> bool:
+        return custom_id in self.ids
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+    def add(self, custom_id: str, line: int) -> None:
+        self.ids[custom_id] = None
+        self.lines.append(line)
+
+
 @dataclass(slots=True)  # not frozen: a frozen __init__ costs a tenth of a line's checking
 class CheckedRequest:
     custom_id: str
@@ -113,10 +135,10 @@ class CheckedRequest:
 
 
 def check_line(
-    line: bytes, *, endpoint: str, seen_ids: dict[str, int], fail: ErrorSink, number: int = 0
+    line: bytes, *, endpoint: str, seen_ids: SeenIds, fail: ErrorSink, number: int = 0
 ) -> CheckedRequest | None:
     """Every rule one line must meet; each broken rule goes to `fail`. None if any broke.
-    `seen_ids` maps the custom_ids met so far to their line numbers; this line's is added."""
+    `seen_ids` holds the custom_ids met so far; this line's is added."""
     try:
         obj = orjson.loads(line)
     except orjson.JSONDecodeError as exc:
@@ -149,9 +171,7 @@ def check_line(
     return CheckedRequest(obj["custom_id"], body["model"], prompt, estimate, body, output)
 
 
-def _check_envelope(
-    obj: dict[str, Any], *, endpoint: str, seen_ids: dict[str, int], fail: ErrorSink, number: int
-) -> bool:
+def _check_envelope(obj: dict[str, Any], *, endpoint: str, seen_ids: SeenIds, fail: ErrorSink, number: int) -> bool:
     ok = True
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
@@ -175,7 +195,7 @@ def _check_envelope(
         fail("duplicate_custom_id", duplicate_id_message(custom_id), "custom_id")
         ok = False
     else:
-        seen_ids[custom_id] = number
+        seen_ids.add(custom_id, number)
     if obj.get("method") != "POST":
         fail("invalid_method", f"'method' must be 'POST', not {_given(obj, 'method')}.", "method")
         ok = False

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from itertools import chain
 
 from jobs.validation import Limits, LineScan, ValidationResult, finish_validation, scan_lines, validate_lines
-from jobs.validation_lines import INT32_MAX, duplicate_id_message, iter_lines_bounded
+from jobs.validation_lines import INT32_MAX, SeenIds, duplicate_id_message, iter_lines_bounded
 from storage.objects import ObjectStore
 
 log = logging.getLogger("backfill.validation")
@@ -132,9 +132,9 @@ def packed_scan_range(
     open_store: StoreFactory, key: str, start: int, end: int, endpoint: str, limits: Limits
 ) -> PackedScan:
     scan = scan_range(open_store, key, start, end, endpoint, limits)
-    ids, id_lines = "\0".join(scan.seen_ids), array("i", scan.seen_ids.values())
-    scan.seen_ids = {}
-    return PackedScan(scan, ids, id_lines)
+    packed = PackedScan(scan, "\0".join(scan.seen_ids.ids), scan.seen_ids.lines)
+    scan.seen_ids = SeenIds()
+    return packed
 
 
 def scan_range(open_store: StoreFactory, key: str, start: int, end: int, endpoint: str, limits: Limits) -> LineScan:
@@ -189,28 +189,23 @@ def merge_scans(first: LineScan, rest: Sequence[PackedScan], limits: Limits) -> 
         result.token_estimate += part.token_estimate
         for model, line in scan.models.items():
             merged.models.setdefault(model, line + lines)
-        # Ids met in an earlier range: set operations in C, the lines looked at only for those.
-        repeated = seen.keys() & set(ids)
-        if repeated:
-            found = [
-                (line + lines, custom_id)
-                for custom_id, line in zip(ids, id_lines, strict=True)
-                if custom_id in repeated
-            ]
-            errors += [_duplicate(custom_id, line) for line, custom_id in found[: limits.max_errors]]
-            result.error_count += len(found)
+        # Ids met in an earlier range, reported at their later line, as one pass would.
+        repeated = [
+            (line + lines, custom_id) for custom_id, line in zip(ids, id_lines, strict=True) if custom_id in seen
+        ]
+        errors += [_duplicate(custom_id, line) for line, custom_id in repeated[: limits.max_errors]]
+        result.error_count += len(repeated)
         if k < len(rest):  # a later range still checks against these
-            seen.update(
-                (custom_id, line + lines)
-                for custom_id, line in zip(ids, id_lines, strict=True)
-                if custom_id not in seen
-            )
+            for custom_id, line in zip(ids, id_lines, strict=True):
+                if custom_id not in seen:
+                    seen.add(custom_id, line + lines)
+        del ids
         result.requests.extend(part.requests, line_base=lines)
         merged.requests += scan.requests
         merged.stopped = merged.stopped or scan.stopped
         lines += scan.lines
     merged.lines = lines
-    merged.seen_ids = {}
+    merged.seen_ids = SeenIds()
     max_requests = min(limits.max_requests, INT32_MAX)
     if not merged.stopped and (merged.requests > max_requests or lines > INT32_MAX):
         result.error_count += 1
