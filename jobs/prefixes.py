@@ -224,23 +224,29 @@ def plan_prefix_order(paths: Sequence[bytes], lines: Sequence[int], kv: Sequence
     # ints beyond the sort itself. With the lines in increasing order (as validation gives them)
     # the sort's stability breaks ties by line, so the paths alone are the key.
     increasing = all(lines[i] < lines[i + 1] for i in range(n - 1))
-    if increasing:
-        order = array("q", sorted(range(n), key=paths.__getitem__))
-    else:
-        order = array("q", sorted(range(n), key=lambda i: (paths[i], lines[i])))
+    # A prompt shorter than a block (an empty path) shares nothing and sorts first: those lines
+    # keep their order at the front, unsorted, and only the others are sorted and compared.
+    short = [i for i in range(n) if not paths[i]]
+    rest = [i for i in range(n) if paths[i]] if short else range(n)
+    if not increasing:
+        short.sort(key=lines.__getitem__)
+    order = array("q", short)
+    order.extend(sorted(rest, key=paths.__getitem__ if increasing else lambda i: (paths[i], lines[i])))
+    start = len(short)  # the first place in the order with a path
+    del short, rest
     rank, after, shared = array("q", bytes(8 * n)), array("q", bytes(8 * n)), array("q", bytes(8 * n))
-    previous = 0
     for pos, i in enumerate(order):
         rank[i] = pos
+    previous = 0
+    for pos in range(start, n):
+        i = order[pos]
         following = common_blocks(paths[i], paths[order[pos + 1]]) if pos + 1 < n else 0
         shared[i] = max(previous, following)
         previous = following
     # Ancestors of the current path, shallowest first: (path, line, that line's own `after`).
     stack: list[tuple[bytes, int, int]] = []
-    for i in order:
+    for i in order[start:]:  # (shorter than a block: shares nothing cacheable, precedes nothing)
         path = paths[i]
-        if not path:
-            continue  # shorter than a block: shares nothing cacheable, precedes nothing
         while stack and not path.startswith(stack[-1][0]):
             stack.pop()
         if stack and stack[-1][0] == path:
@@ -249,7 +255,7 @@ def plan_prefix_order(paths: Sequence[bytes], lines: Sequence[int], kv: Sequence
         after[i] = stack[-1][1] if stack else 0
         stack.append((path, lines[i], after[i]))
     session_kv = array("q", kv if kv is not None else bytes(8 * n))
-    if kv is not None:
+    if kv is not None and any(after):  # (no `after` at all: each line is its own session)
         index: Callable[[int], int] = (
             partial(bisect_left, lines) if increasing else {line: i for i, line in enumerate(lines)}.__getitem__
         )

@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from types import FrameType
 
 from billiard.process import active_children
@@ -129,8 +130,17 @@ def validate_batch(batch_id: str) -> str:
                     max_errors=s.max_reported_errors,
                 ),
             )
+            written = time.monotonic()
             with unit_of_work() as session:
-                return validation.apply_validation(session, batch_id=batch_id, result=result)
+                status = validation.apply_validation(session, batch_id=batch_id, result=result)
+            log.info(
+                "validation of batch %s: %s; index of %d lines written in %.1f s",
+                batch_id,
+                status,
+                len(result.requests),
+                time.monotonic() - written,
+            )
+            return status
         except Exception as exc:
             reason = validation.validation_failure_message(exc)
             if validation.is_transient_validation_error(exc):

@@ -259,9 +259,13 @@ def test_two_finalizations_at_once_write_the_same_files_and_one_set_of_rows(
 HOSTILE = ['q"uote', "back\\slash", "tab\tnew\nline\r", "\x01\x1f\x7f", "é€😀\u2028\ufeff", "</script>", ""]
 
 
-def test_the_database_writes_the_same_bytes_as_the_formatter(db: sessionmaker[Session]) -> None:
-    """On Postgres the lines are written by the database (one string a page); they must be the
-    bytes the Python formatter writes, whatever the values, across pages and with gaps."""
+@pytest.mark.parametrize("page", [output._ROWS_PER_FETCH, 400])
+def test_the_database_writes_the_same_bytes_as_the_formatter(
+    db: sessionmaker[Session], page: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On Postgres the lines are written by the database (one string a page, pages read on two
+    connections at once); they must be the bytes the Python formatter writes, whatever the
+    values, in order across pages (two, or twenty with a small page) and with gaps."""
     with db.begin() as s:
         batch = _batch(s, status=BatchStatus.finalizing, states={})
         states = [RequestState.succeeded, RequestState.failed, RequestState.expired, RequestState.cancelled]
@@ -284,6 +288,7 @@ def test_the_database_writes_the_same_bytes_as_the_formatter(db: sessionmaker[Se
             )
         s.flush()
         batch_id = batch.id
+    monkeypatch.setattr(output, "_ROWS_PER_FETCH", page)
     with db() as s:
         rows = s.execute(
             select(
