@@ -399,6 +399,9 @@ def waiting_in(engine: VllmServer) -> float:
     return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith("vllm:num_requests_waiting{"))
 
 
+PRIO_LINES = 120
+
+
 def test_priority_mode_reaches_the_engine(client: openai.OpenAI, router: EngineRouter, engines: Any) -> None:
     """BACKFILL_FLEET_PRIORITY_HINT=vllm: each body carries vLLM's `priority` (larger = later)
     and no Dynamo `nvext`, a client's own priority kept. vLLM 0.32 accepts a priority even
@@ -406,9 +409,11 @@ def test_priority_mode_reaches_the_engine(client: openai.OpenAI, router: EngineR
     While batch lines wait in the engine's queue (4 running), interactive requests (priority
     0) arriving then are scheduled before the batch lines that were already waiting; under
     fcfs they would be scheduled after them."""
-    # 64 tokens a line (ignore_eos: random weights would stop anywhere): a line runs for a while.
-    bodies = [chat("prio", i, max_tokens=64, ignore_eos=True) for i in range(40)]
-    bodies.append(chat("prio", 40, priority=3))
+    # 64 tokens a line (ignore_eos: random weights would stop anywhere): a line runs for a while,
+    # and enough lines that the queue lasts past the engine's metrics updates on an idle machine
+    # (40 lines were over in 5 s there, before a poll saw the queue).
+    bodies = [chat("prio", i, max_tokens=64, ignore_eos=True) for i in range(PRIO_LINES)]
+    bodies.append(chat("prio", PRIO_LINES, priority=3))
     lines = [
         {"custom_id": f"prio-{i}", "method": "POST", "url": "/v1/chat/completions", "body": b}
         for i, b in enumerate(bodies)
@@ -418,7 +423,7 @@ def test_priority_mode_reaches_the_engine(client: openai.OpenAI, router: EngineR
     )
     generate, _ = engines
     deadline = time.monotonic() + 120
-    while waiting_in(generate) < 4:  # a queue of batch lines has formed in the engine
+    while waiting_in(generate) < 2:  # a queue of batch lines has formed in the engine
         assert time.monotonic() < deadline, "no queue formed in the engine"
         time.sleep(0.05)
 
@@ -432,9 +437,9 @@ def test_priority_mode_reaches_the_engine(client: openai.OpenAI, router: EngineR
     with ThreadPoolExecutor(3) as pool:
         live = list(pool.map(interactive, range(3)))
     done = wait_for(client, b.id, {"completed", "failed"}, timeout_s=240)
-    assert done.request_counts.completed == 41 and done.request_counts.failed == 0
+    assert done.request_counts.completed == PRIO_LINES + 1 and done.request_counts.failed == 0
     sent = router.sent_for("/v1/chat/completions", "[prio]")
-    assert sorted(x["priority"] for x in sent) == [3] + [10] * 40
+    assert sorted(x["priority"] for x in sent) == [3] + [10] * PRIO_LINES
     assert all("nvext" not in x for x in sent)
     # When each batch line reached the engine (the router's clock) and was first scheduled.
     sent_at = {json.loads(body)["messages"][0]["content"]: t for t, body in router.sending if b"[prio]" in body}
