@@ -423,9 +423,19 @@ def test_priority_mode_reaches_the_engine(client: openai.OpenAI, router: EngineR
     )
     generate, _ = engines
     deadline = time.monotonic() + 120
-    while waiting_in(generate) < 2:  # a queue of batch lines has formed in the engine
+
+    def queued() -> bool:
+        """A queue of batch lines has formed in the engine: its own gauge says so, or more lines
+        are in flight through the router than the engine runs at once (4), which the gauge,
+        updated per engine step, may not show before a short batch is over."""
+        in_flight = sum(b"[prio]" in body for _, body in router.sending) - len(
+            router.sent_for("/v1/chat/completions", "[prio]")
+        )
+        return in_flight >= 8 or waiting_in(generate) >= 2
+
+    while not queued():
         assert time.monotonic() < deadline, "no queue formed in the engine"
-        time.sleep(0.05)
+        time.sleep(0.02)
 
     def interactive(i: int) -> tuple[float, float]:
         """(sent, scheduled) wall times of one interactive request."""
