@@ -58,6 +58,11 @@ def file_key(team_id: str, file_id: str) -> str:
     return f"files/{team_id}/{file_id}"
 
 
+def stored_size(session: Session, file_id: str) -> int:
+    """The bytes of a stored file; 0 if its row is gone (reading it then says it no longer exists)."""
+    return session.execute(select(File.bytes).where(File.id == file_id)).scalar() or 0
+
+
 def validate_expiry(anchor: str | None, seconds: int | None, *, param: str) -> int | None:
     if anchor is None and seconds is None:
         return None

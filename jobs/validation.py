@@ -265,9 +265,7 @@ def scan_lines(
             continue  # blank lines are skipped, as OpenAI does
         count += 1
         if count > max_requests or number > INT32_MAX:
-            fail(
-                "too_many_requests", f"The file has more than {max_requests} requests, the most a batch may hold.", None
-            )
+            fail("too_many_requests", too_many_requests_message(max_requests), None)
             scan.stopped = True
             break
         line = raw[:-1] if raw is not None and raw.endswith(b"\r") else raw
@@ -292,6 +290,10 @@ def scan_lines(
         )
     scan.requests, scan.lines = count, number
     return scan
+
+
+def too_many_requests_message(max_requests: int) -> str:
+    return f"The file has more than {max_requests} requests, the most a batch may hold."
 
 
 def finish_validation(scan: LineScan, *, limits: Limits, served_models: set[str] | None) -> ValidationResult:

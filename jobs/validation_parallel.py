@@ -25,7 +25,15 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
-from jobs.validation import Limits, LineScan, ValidationResult, finish_validation, scan_lines, validate_lines
+from jobs.validation import (
+    Limits,
+    LineScan,
+    ValidationResult,
+    finish_validation,
+    scan_lines,
+    too_many_requests_message,
+    validate_lines,
+)
 from jobs.validation_lines import INT32_MAX, SeenIds, duplicate_id_message, iter_lines_bounded
 from storage.objects import ObjectStore
 
@@ -212,7 +220,7 @@ def merge_scans(first: LineScan, rest: Sequence[PackedScan], limits: Limits) -> 
         errors.append(
             {
                 "code": "too_many_requests",
-                "message": f"The file has more than {max_requests} requests, the most a batch may hold.",
+                "message": too_many_requests_message(max_requests),
                 "param": None,
                 "line": None,
             }

@@ -23,12 +23,11 @@ from types import FrameType
 
 from billiard.process import active_children
 from celery.signals import task_postrun, task_prerun, worker_process_init, worker_shutting_down
-from sqlalchemy import select
 
 from jobs import output, validation
 from jobs.catalog import get_catalog
-from jobs.files import file_key
-from jobs.models import Batch, BatchStatus, File
+from jobs.files import file_key, stored_size
+from jobs.models import Batch, BatchStatus
 from jobs.validation_parallel import default_processes, validate_object
 from scheduler.dispatcher import Dispatcher
 from scheduler.fleet import FleetClient
@@ -112,7 +111,7 @@ def validate_batch(batch_id: str) -> str:
             return batch.status if batch else "missing"
         key = file_key(batch.team_id, batch.input_file_id)
         endpoint = batch.endpoint
-        size = session.execute(select(File.bytes).where(File.id == batch.input_file_id)).scalar() or 0
+        size = stored_size(session, batch.input_file_id)
     with exclusive_lease(get_lease_store(), f"validate:{batch_id}", ttl_s=VALIDATION_LEASE_TTL_S) as mine:
         if not mine:
             return "busy"
