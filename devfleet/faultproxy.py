@@ -191,12 +191,11 @@ class FaultProxy:
                 if rule is not None:
                     self._count(rule.fault.value)
                 if rule is None or rule.fault is Fault.stall:
-                    outcome = await self._forward(conn, writer, head, body, stall=rule is not None)
+                    label = "forwarded" if method in self.methods else "passed"
+                    outcome = await self._forward(conn, writer, head, body, stall=rule is not None, label=label)
                     if outcome == "stalled":
                         await self._hold(reader)
                         return
-                    if outcome == "forwarded":
-                        self._count("forwarded" if method in self.methods else "passed")
                 elif rule.fault is Fault.error:
                     await self._answer(conn, writer, rule.status, b'{"error":{"message":"injected fault"}}')
                 elif rule.fault is Fault.timeout:
@@ -235,10 +234,18 @@ class FaultProxy:
                 return None
 
     async def _forward(
-        self, conn: h11.Connection, writer: asyncio.StreamWriter, head: h11.Request, body: bytes, *, stall: bool
+        self,
+        conn: h11.Connection,
+        writer: asyncio.StreamWriter,
+        head: h11.Request,
+        body: bytes,
+        *,
+        stall: bool,
+        label: str,
     ) -> str:
         """Pass the request to the fleet and its reply back: "forwarded"; with `stall` only half
-        the reply's body goes back: "stalled" (the connection is to be held); "upstream_failed"."""
+        the reply's body goes back: "stalled" (the connection is to be held); "upstream_failed".
+        A full reply is counted under `label`."""
         assert self._client is not None
         headers = [(k, v) for k, v in head.headers if k.lower() not in HOP_BY_HOP and k.lower() != b"content-length"]
         first = next(self._turn)
@@ -270,6 +277,7 @@ class FaultProxy:
                 writer.write(conn.send(h11.Data(data=raw[: len(raw) // 2])) or b"")
                 await writer.drain()
                 return "stalled"
+            self._count(label)  # before any byte goes out: a client holding its reply finds it counted
             writer.write(conn.send(h11.Response(status_code=resp.status_code, headers=out)) or b"")
             async for chunk in resp.aiter_raw():
                 writer.write(conn.send(h11.Data(data=chunk)) or b"")
