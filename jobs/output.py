@@ -30,7 +30,7 @@ import orjson
 from sqlalchemy import Engine, Exists, bindparam, case, exists, func, select, update
 from sqlalchemy.orm import Session
 
-from jobs.models import Batch, BatchRequest, BatchStatus, File, RequestState, utcnow
+from jobs.models import RUNNING_LINES, Batch, BatchRequest, BatchStatus, File, RequestState, utcnow
 from jobs.webhooks import record_batch_event
 from storage.objects import ObjectStore
 
@@ -44,7 +44,9 @@ ERROR_MESSAGES = {
     ),
 }
 OUTPUT_STATES = (RequestState.succeeded,)
-ERROR_STATES = (RequestState.failed, RequestState.cancelled, RequestState.expired)
+# Pending lines of a settled batch (expired, or cancelled) are written as the batch ended: see
+# `_Plan.pending_as`. No claim takes a line of a batch that is not in progress.
+ERROR_STATES = (RequestState.failed, RequestState.cancelled, RequestState.expired, RequestState.pending)
 _ROWS_PER_FETCH = 5000  # lines a page: at most about 3 MB of 600-byte answers
 PG_READERS = 2  # pages read at once (each on a connection of its own): see _pg_pages
 
@@ -65,12 +67,18 @@ _ERROR_BODIES: dict[str, bytes] = {
 }
 
 
+def error_bodies(pending_as: RequestState) -> dict[str, bytes]:
+    """The error body of each error state, a pending line written as `pending_as`."""
+    return {**_ERROR_BODIES, RequestState.pending: _ERROR_BODIES[pending_as]}
+
+
 def _pg_line_sql() -> str:
     """The Postgres statement that writes a page's lines itself: the bytes `_format_page` writes
     (`to_json` of a text escapes exactly as orjson does: tests/jobs/test_output.py holds them
     to it), as one string, so a page costs one round trip and no Python per line."""
     errors = " ".join(
-        f"WHEN state = '{state}' THEN ',\"response\":null,\"error\":' || %(error_{state})s" for state in _ERROR_BODIES
+        f"WHEN state = '{state}' THEN ',\"response\":null,\"error\":' || %(error_{state})s"
+        for state in error_bodies(RequestState.expired)
     )
     return f"""
         SELECT string_agg(
@@ -96,7 +104,9 @@ def _pg_line_sql() -> str:
 _PG_PAGE_SQL = _pg_line_sql()
 
 
-def result_lines(session: Session, batch_id: str, states: Sequence[str]) -> Iterator[bytes]:
+def result_lines(
+    session: Session, batch_id: str, states: Sequence[str], *, pending_as: RequestState = RequestState.expired
+) -> Iterator[bytes]:
     """The file's bytes in input order, one chunk per page of _ROWS_PER_FETCH lines.
 
     Pages are ranges of line numbers read through the primary key (batch_id, line): each reads
@@ -112,9 +122,10 @@ def result_lines(session: Session, batch_id: str, states: Sequence[str]) -> Iter
     c = BatchRequest.__table__.c
     last = connection.execute(select(func.max(c.line)).where(c.batch_id == batch_id)).scalar() or 0
     wanted = [str(s) for s in states]
+    errors = error_bodies(pending_as)
     if connection.dialect.name == "postgresql":
         params: dict[str, Any] = {"batch_id": batch_id, "states": wanted}
-        params.update({f"error_{state}": body.decode() for state, body in _ERROR_BODIES.items()})
+        params.update({f"error_{state}": body.decode() for state, body in errors.items()})
         yield from _pg_pages(connection.engine, params, last)
         return
     page_rows = (
@@ -125,7 +136,7 @@ def result_lines(session: Session, batch_id: str, states: Sequence[str]) -> Iter
     )
     query = select(page_rows).where(page_rows.c.state.in_(wanted)).order_by(page_rows.c.line)
     for start in range(0, last, _ROWS_PER_FETCH):
-        if chunk := _format_page(connection.execute(query, {"start": start, "end": start + _ROWS_PER_FETCH})):
+        if chunk := _format_page(connection.execute(query, {"start": start, "end": start + _ROWS_PER_FETCH}), errors):
             yield chunk
 
 
@@ -155,8 +166,8 @@ def _pg_pages(engine: Engine, params: dict[str, Any], last: int) -> Iterator[byt
                 yield chunk
 
 
-def _format_page(rows: Iterable[Any]) -> bytes:
-    dumps, errors = orjson.dumps, _ERROR_BODIES
+def _format_page(rows: Iterable[Any], errors: dict[str, bytes]) -> bytes:
+    dumps = orjson.dumps
     answer_line, error_line = _ANSWER_LINE, _ERROR_LINE
     out = []
     for line, result_id, custom_id, state, status_code, request_id, body in rows:
@@ -186,6 +197,12 @@ class _Plan:
     expired: bool
     output_expires_after_s: int | None
 
+    @property
+    def pending_as(self) -> RequestState:
+        """What a line still pending is written as: the batch was cancelled, or it expired (a
+        finalizing batch that did not expire has no pending line)."""
+        return RequestState.cancelled if self.status == BatchStatus.cancelling else RequestState.expired
+
 
 @dataclass
 class _Written:
@@ -202,6 +219,10 @@ def _unfinished(batch_id: str) -> Exists:
     )
 
 
+def _running(batch_id: str) -> Exists:
+    return exists().where(RUNNING_LINES, BatchRequest.batch_id == batch_id)
+
+
 def _begin(session: Session, batch_id: str) -> _Plan | BatchStatus | None:
     batch = session.get(Batch, batch_id)
     if batch is None:
@@ -216,7 +237,7 @@ def _begin(session: Session, batch_id: str) -> _Plan | BatchStatus | None:
         session.refresh(batch)
     if batch.status not in (BatchStatus.finalizing, BatchStatus.cancelling):
         return batch.status
-    if session.execute(select(_unfinished(batch_id))).scalar():
+    if session.execute(select(_running(batch_id))).scalar():
         return batch.status  # a cancelling batch still draining its running lines
     return _Plan(
         batch_id=batch_id,
@@ -252,7 +273,8 @@ def _write_files(session: Session, store: ObjectStore, plan: _Plan) -> _Written:
     for kind, n, states in (("output", written.succeeded, OUTPUT_STATES), ("error", written.errored, ERROR_STATES)):
         if n:
             key = output_key(plan.team_id, plan.batch_id, kind)
-            written.sizes[kind] = store.put(key, result_lines(session, plan.batch_id, states))
+            lines = result_lines(session, plan.batch_id, states, pending_as=plan.pending_as)
+            written.sizes[kind] = store.put(key, lines)
     return written
 
 

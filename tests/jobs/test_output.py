@@ -213,7 +213,8 @@ def test_a_cancelling_batch_ends_cancelled_and_a_repeated_cancel_is_not_blocked(
     db: sessionmaker[Session], tmp_path: Path
 ) -> None:
     store = PausingStore(tmp_path / "objects")
-    states = {1: RequestState.succeeded, 2: RequestState.cancelled, 3: RequestState.cancelled}
+    # A line still pending when the batch was cancelled is written as cancelled.
+    states = {1: RequestState.succeeded, 2: RequestState.cancelled, 3: RequestState.pending}
     with db.begin() as s:
         batch = _batch(s, status=BatchStatus.cancelling, states=states)
         batch_id, team_id = batch.id, batch.team_id
@@ -268,7 +269,13 @@ def test_the_database_writes_the_same_bytes_as_the_formatter(
     values, in order across pages (two, or twenty with a small page) and with gaps."""
     with db.begin() as s:
         batch = _batch(s, status=BatchStatus.finalizing, states={})
-        states = [RequestState.succeeded, RequestState.failed, RequestState.expired, RequestState.cancelled]
+        states = [
+            RequestState.succeeded,
+            RequestState.failed,
+            RequestState.expired,
+            RequestState.cancelled,
+            RequestState.pending,  # settled by the batch: written as it ended
+        ]
         for n in range(3 * output._ROWS_PER_FETCH // 2):
             line = 1 + n + n // 7  # some line numbers unused (blank lines in the input)
             text = HOSTILE[n % len(HOSTILE)]
@@ -303,7 +310,63 @@ def test_the_database_writes_the_same_bytes_as_the_formatter(
             .where(BatchRequest.batch_id == batch_id)
             .order_by(BatchRequest.line)
         ).all()
-        for kind_states in (output.OUTPUT_STATES, output.ERROR_STATES):
-            written = b"".join(output.result_lines(s, batch_id, kind_states))
-            assert written == output._format_page(r for r in rows if r.state in kind_states)
-            assert all(orjson.loads(x) for x in written.splitlines())
+        for kind_states, pending_as in (
+            (output.OUTPUT_STATES, RequestState.expired),
+            (output.ERROR_STATES, RequestState.expired),
+            (output.ERROR_STATES, RequestState.cancelled),
+        ):
+            written = b"".join(output.result_lines(s, batch_id, kind_states, pending_as=pending_as))
+            errors = output.error_bodies(pending_as)
+            assert written == output._format_page((r for r in rows if r.state in kind_states), errors)
+            lines = [orjson.loads(x) for x in written.splitlines()]
+            if kind_states == output.ERROR_STATES:
+                pending = [x for x in lines if int(x["custom_id"].rsplit("-", 1)[1]) % len(states) == 4]
+                assert pending and {x["error"]["code"] for x in pending} == {f"batch_{pending_as}"}
+
+
+def test_expiry_writes_only_the_running_lines_and_finalization_settles_the_pending_ones(
+    db: sessionmaker[Session], tmp_path: Path
+) -> None:
+    """Expiring a batch is not one write per line: its running lines become expired (so their
+    late answers are dropped), its pending lines stay pending, and finalization writes every
+    one of them as batch_expired; nothing claims a line of the finalizing batch meanwhile."""
+    from jobs.claims import claim_requests
+    from jobs.sweeps import expire_overdue
+
+    store = LocalObjectStore(tmp_path / "objects")
+    states = {1: RequestState.succeeded, 2: RequestState.running, 3: RequestState.pending, 4: RequestState.pending}
+    with db.begin() as s:
+        batch = _batch(s, status=BatchStatus.in_progress, states=states)
+        batch_id, team_id = batch.id, batch.team_id
+        s.execute(
+            update(BatchRequest)
+            .where(BatchRequest.batch_id == batch_id, BatchRequest.line == 2)
+            .values(claim_token="c")
+        )
+        s.execute(update(Batch).where(Batch.id == batch_id).values(expires_at=utcnow() - timedelta(seconds=1)))
+    with db.begin() as s:
+        assert expire_overdue(s) == [batch_id]
+    with db() as s:
+        rows = s.execute(
+            select(BatchRequest.line, BatchRequest.state, BatchRequest.claim_token)
+            .where(BatchRequest.batch_id == batch_id)
+            .order_by(BatchRequest.line)
+        ).all()
+        assert [tuple(r) for r in rows] == [
+            (1, RequestState.succeeded, None),
+            (2, RequestState.expired, None),
+            (3, RequestState.pending, None),
+            (4, RequestState.pending, None),
+        ]
+    with db.begin() as s:
+        assert claim_requests(s, batch_id=batch_id, limit=10, claim_token="late") == []
+    assert finalize_batch(db.begin, store, batch_id=batch_id) == BatchStatus.expired
+    err = _files(store, team_id, batch_id)[output_key(team_id, batch_id, "error")]
+    assert [(x["custom_id"], x["error"]["code"]) for x in map(orjson.loads, err.splitlines())] == [
+        ("req-2", "batch_expired"),
+        ("req-3", "batch_expired"),
+        ("req-4", "batch_expired"),
+    ]
+    with db() as s:
+        done = s.get(Batch, batch_id)
+        assert done is not None and (done.completed, done.failed) == (1, 3)

@@ -24,8 +24,9 @@ SHARED = "You are a careful assistant who reads the whole attached document befo
 def _file(lines: int) -> bytes:
     rows = []
     for i in range(lines):
-        # Tabs, backslashes, quotes and non-ASCII in custom_ids: what COPY's text format escapes.
-        custom_id = f'id\t{i}\\n"é{i}' if i % 3 == 0 else f"r{i}"
+        # Tabs, newlines, CRs, backslashes, quotes and non-ASCII in custom_ids: what COPY's text
+        # format escapes (and `\\N`, its NULL, as a custom_id's own text).
+        custom_id = f'id\t{i}\\n"é{i}\r\n\\N' if i % 3 == 0 else f"r{i}"
         # Shared prefixes, and prompts extending others (whose lines then run after them).
         content = SHARED * 2 if i % 7 == 1 else SHARED + f"question {i}" if i % 2 else f"short {i}"
         body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": content}]}
@@ -102,7 +103,7 @@ def test_index_rows_are_stored_as_validated(db: sessionmaker[Session]) -> None:
     assert stored == expected
     # The plan's columns went through too.
     assert any(r["after_line"] for r in stored) and any(r["prefix_tokens"] for r in stored)
-    assert any("\t" in r["custom_id"] and "\\" in r["custom_id"] for r in stored)
+    assert any("\t" in r["custom_id"] and "\\" in r["custom_id"] and "\r\n" in r["custom_id"] for r in stored)
 
 
 def test_a_write_killed_midway_leaves_nothing_and_the_next_attempt_starts_clean(db: sessionmaker[Session]) -> None:
