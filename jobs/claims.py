@@ -58,7 +58,10 @@ def claim_requests(
     back. The batches and how many lines each get are the planner's choice, made before.
     """
     now = now or utcnow()
-    batch = session.get(Batch, batch_id)
+    # FOR KEY SHARE: claims do not wait on each other or on recorded results, but an expiry
+    # (FOR UPDATE on the row, `jobs.sweeps.expire_overdue`) waits for this claim to commit, and
+    # a claim that comes after it finds the batch no longer in progress.
+    batch = session.get(Batch, batch_id, with_for_update={"read": True, "key_share": True})
     if batch is None or batch.status != BatchStatus.in_progress or limit <= 0:
         return []
     # Look no further than this many pending lines into the tree: a claim costs the same in a

@@ -147,22 +147,34 @@ def expire_overdue(session: Session, *, now: datetime | None = None) -> list[str
             )
         ).scalars()
     )
-    for batch_id in overdue:
-        # Lines first, then the batch row: the same lock order as recording a result, so an
-        # expiry never deadlocks with a drain. Only running lines are written: their answers,
-        # arriving later, then fail their compare-and-set and are dropped. Pending lines stay
-        # as they are (nothing claims a line of a finalizing batch) and finalization writes
-        # them as expired: expiring a million-line batch is not a million-row update.
-        session.execute(
-            update(BatchRequest)
-            .where(RUNNING_LINES, BatchRequest.batch_id == batch_id)
-            .values(state=RequestState.expired, claim_token=None, finished_at=now)
-            .execution_options(synchronize_session=False)
-        )
-        session.execute(
+    for batch_id in sorted(overdue):  # in id order, as drains record results across batches
+        # The batch row first, FOR UPDATE: it waits for the claims in flight on the batch
+        # (each holds FOR KEY SHARE on it, `jobs.claims`) and keeps new ones out until this
+        # commits, when they find the batch no longer in progress. So every running line is
+        # here to be seen, and none is claimed after. Those running become expired (their
+        # answers, arriving later, fail their compare-and-set and are dropped), skipping any
+        # a drain is recording right now: it finishes it (and then waits for this row). No
+        # wait on a line, so no deadlock with a drain (lines, then batch rows, in id order).
+        # Pending lines stay as they are and finalization writes them as expired: expiring a
+        # million-line batch is not a million-row update.
+        session.execute(select(Batch.id).where(Batch.id == batch_id).with_for_update())
+        moved = session.execute(
             update(Batch)
             .where(Batch.id == batch_id, Batch.status.in_([BatchStatus.validating, BatchStatus.in_progress]))
             .values(status=BatchStatus.finalizing, expired_at=now, finalizing_at=now)
+            .execution_options(synchronize_session=False)
+        )
+        if not moved.rowcount:  # type: ignore[attr-defined]
+            continue  # it moved on meanwhile (completed, cancelled)
+        running = (
+            select(BatchRequest.line)
+            .where(RUNNING_LINES, BatchRequest.batch_id == batch_id)
+            .with_for_update(skip_locked=True)
+        )
+        session.execute(
+            update(BatchRequest)
+            .where(BatchRequest.batch_id == batch_id, BatchRequest.line.in_(running.scalar_subquery()), RUNNING_LINES)
+            .values(state=RequestState.expired, claim_token=None, finished_at=now)
             .execution_options(synchronize_session=False)
         )
         # A batch that never got past validation has no lines to say why: say it on the batch.

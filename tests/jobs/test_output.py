@@ -370,3 +370,48 @@ def test_expiry_writes_only_the_running_lines_and_finalization_settles_the_pendi
     with db() as s:
         done = s.get(Batch, batch_id)
         assert done is not None and (done.completed, done.failed) == (1, 3)
+
+
+def test_a_claim_in_flight_when_the_batch_expires_is_waited_for_and_its_lines_expire(
+    db: sessionmaker[Session],
+) -> None:
+    """A claim that read the batch as in progress and has not committed yet: the expiry waits
+    for it (the claim holds FOR KEY SHARE on the batch row, the expiry takes FOR UPDATE), then
+    sees its lines running and expires them; a claim after the expiry takes nothing. Without
+    the wait the claim's lines would stay running in a finalizing batch, run after the
+    window closed, and hold its finalization back."""
+    from jobs.claims import claim_requests
+
+    if db.kw["bind"].dialect.name != "postgresql":
+        pytest.skip("SQLite has one writer at a time: a claim and an expiry cannot overlap there")
+    states = {n: RequestState.pending for n in range(1, 6)}
+    with db.begin() as s:
+        batch = _batch(s, status=BatchStatus.in_progress, states=states)
+        batch_id = batch.id
+        s.execute(update(Batch).where(Batch.id == batch_id).values(expires_at=utcnow() - timedelta(seconds=1)))
+    claiming = db()
+    claiming.begin()
+    claimed = [c.line for c in claim_requests(claiming, batch_id=batch_id, limit=2, claim_token="in-flight")]
+    assert claimed == [1, 2]
+    with ThreadPoolExecutor(1) as pool:
+        expiring = pool.submit(lambda: _expire(db))
+        with pytest.raises(TimeoutError):
+            expiring.result(timeout=1.0)  # waits for the claim
+        claiming.commit()
+        claiming.close()
+        assert expiring.result(timeout=30) == [batch_id]
+    with db.begin() as s:
+        assert claim_requests(s, batch_id=batch_id, limit=5, claim_token="after") == []
+        rows = s.execute(
+            select(BatchRequest.line, BatchRequest.state)
+            .where(BatchRequest.batch_id == batch_id)
+            .order_by(BatchRequest.line)
+        ).all()
+    assert [tuple(r) for r in rows] == [(1, "expired"), (2, "expired"), (3, "pending"), (4, "pending"), (5, "pending")]
+
+
+def _expire(db: sessionmaker[Session]) -> list[str]:
+    from jobs.sweeps import expire_overdue
+
+    with db.begin() as s:
+        return expire_overdue(s)
