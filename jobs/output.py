@@ -30,7 +30,8 @@ import orjson
 from sqlalchemy import Engine, Exists, bindparam, case, exists, func, select, update
 from sqlalchemy.orm import Session
 
-from jobs.models import RUNNING_LINES, Batch, BatchRequest, BatchStatus, File, RequestState, utcnow
+from jobs.models import Batch, BatchRequest, BatchStatus, File, RequestState, utcnow
+from jobs.sweeps import has_running
 from jobs.webhooks import record_batch_event
 from storage.objects import ObjectStore
 
@@ -219,10 +220,6 @@ def _unfinished(batch_id: str) -> Exists:
     )
 
 
-def _running(batch_id: str) -> Exists:
-    return exists().where(RUNNING_LINES, BatchRequest.batch_id == batch_id)
-
-
 def _begin(session: Session, batch_id: str) -> _Plan | BatchStatus | None:
     batch = session.get(Batch, batch_id)
     if batch is None:
@@ -237,7 +234,7 @@ def _begin(session: Session, batch_id: str) -> _Plan | BatchStatus | None:
         session.refresh(batch)
     if batch.status not in (BatchStatus.finalizing, BatchStatus.cancelling):
         return batch.status
-    if session.execute(select(_running(batch_id))).scalar():
+    if has_running(session, batch_id):
         return batch.status  # a cancelling batch still draining its running lines
     return _Plan(
         batch_id=batch_id,

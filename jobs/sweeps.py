@@ -126,7 +126,7 @@ def sweep_cancelling(session: Session) -> list[str]:
     as they are (no claim takes a line of a batch that is not in progress) and finalization
     writes them as cancelled (`jobs.output`): a cancel costs no write per line."""
     cancelling = session.execute(select(Batch.id).where(Batch.status == BatchStatus.cancelling)).scalars()
-    return [batch_id for batch_id in cancelling if not _has_running(session, batch_id)]
+    return [batch_id for batch_id in cancelling if not has_running(session, batch_id)]
 
 
 EXPIRED_BEFORE_VALIDATION = {
@@ -187,12 +187,11 @@ def expire_overdue(session: Session, *, now: datetime | None = None) -> list[str
     return overdue
 
 
-def _has_running(session: Session, batch_id: str) -> bool:
+def has_running(session: Session, batch_id: str) -> bool:
+    """Whether a line of the batch is running (through the running-lines partial index)."""
     return (
         session.execute(
-            select(BatchRequest.line)
-            .where(BatchRequest.batch_id == batch_id, BatchRequest.state == RequestState.running)
-            .limit(1)
+            select(BatchRequest.line).where(RUNNING_LINES, BatchRequest.batch_id == batch_id).limit(1)
         ).first()
         is not None
     )
