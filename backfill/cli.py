@@ -71,6 +71,7 @@ def worker(
     from storage.broker import QueueName, celery_app
     from storage.settings import get_settings
 
+    _logging()  # backfill's own loggers (validation, finalization, drains): Celery leaves the root logger alone
     n = concurrency or get_settings().drains + 2
     queues = ",".join(q.value for q in QueueName)
     celery_app.worker_main(

@@ -239,8 +239,10 @@ def main() -> None:
             }
             stack = Stack(env=env, logdir=tmp, api_port=free_port())
             try:
-                for name in ("api", "worker", "scheduler"):
-                    stack.start(name)
+                stack.start("api")
+                stack.start("scheduler")
+                # The worker at INFO: its validation and finalization lines say where the time went.
+                stack.start("worker", extra_env={"BACKFILL_LOG_LEVEL": "INFO"})
                 stack.wait_healthy()
                 sampler = ProcessSampler({name: p.pid for name, p in stack.procs.items()})
                 sampler.sample()
@@ -250,6 +252,13 @@ def main() -> None:
                 sampler.stop()
                 backfill_cpu = sampler.cpu_total() - cpu_before
                 footprint = db_footprint(pg_url)
+                phase_lines = [
+                    line.split(" ", 3)[-1]
+                    for line in (tmp / "worker.log").read_text(errors="replace").splitlines()
+                    if "backfill.validation" in line
+                    or "backfill.finalization" in line
+                    or "backfill.tasks: validation of" in line
+                ]
             finally:
                 stack.stop()
                 drop_database(PG_ADMIN_URL, db)
@@ -271,6 +280,7 @@ def main() -> None:
     ):
         rate = f"{mb / phases[name]:>10.1f}" if mb is not None and phases[name] > 0 else f"{'':>10}"
         print(f"{name:<10}{phases[name]:>10.1f}{rate}")
+    print("\nthe worker's own account:", *phase_lines, sep="\n  ")
     print(f"\nexecuted {executed} of {args.lines} lines; result files {phases['result_bytes'] / MB:.1f} MB")
     print(f"\n{'process':<22}{'peak RSS MB':>12}")
     for name, rss in sorted(sampler.peak_rss.items(), key=lambda kv: -kv[1]):

@@ -17,6 +17,8 @@ batch that was already `cancelling` stays so and ends `cancelled`.
 from __future__ import annotations
 
 import hashlib
+import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +36,8 @@ from jobs.models import Batch, BatchRequest, BatchStatus, File, RequestState, ut
 from jobs.sweeps import has_running
 from jobs.webhooks import record_batch_event
 from storage.objects import ObjectStore
+
+log = logging.getLogger("backfill.finalization")
 
 UnitOfWork = Callable[[], AbstractContextManager[Session]]
 
@@ -333,11 +337,26 @@ def finalize_batch(units: UnitOfWork, store: ObjectStore, *, batch_id: str) -> B
     `units` opens one committed transaction per call (`storage.db.unit_of_work`, or a
     sessionmaker's `begin`). Returns the batch's status afterwards, None for an unknown batch.
     """
+    started = time.monotonic()
     with units() as session:
         plan = _begin(session, batch_id)
     if not isinstance(plan, _Plan):
         return plan
+    planned = time.monotonic()
     with units() as session:
         written = _write_files(session, store, plan)
+    wrote = time.monotonic()
     with units() as session:
-        return _complete(session, plan, written)
+        status = _complete(session, plan, written)
+    log.info(
+        "finalized batch %s: %s, %d lines, %.1f MB in %.2f s (begin %.2f s, files %.2f s, status %.2f s)",
+        batch_id,
+        status,
+        written.succeeded + written.errored,
+        sum(written.sizes.values()) / 1e6,
+        time.monotonic() - started,
+        planned - started,
+        wrote - planned,
+        time.monotonic() - wrote,
+    )
+    return status

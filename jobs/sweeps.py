@@ -198,7 +198,10 @@ def has_running(session: Session, batch_id: str) -> bool:
 
 
 def batches_to_finalize(session: Session) -> list[str]:
-    """In-progress batches with nothing left to run, and batches already finalizing."""
+    """In-progress batches with nothing left to run, and batches already finalizing whose lines
+    all settled. A batch that expired while a drain was recording one of its lines waits for
+    that line: a nudge spent before it settles finds nothing to do, and the next would come
+    only a re-nudge interval later (`scheduler.ticker.RENUDGE_S`)."""
     unfinished = (
         select(BatchRequest.line)
         .where(
@@ -207,15 +210,10 @@ def batches_to_finalize(session: Session) -> list[str]:
         )
         .exists()
     )
-    rows = session.execute(
-        select(Batch.id).where(
-            or_(
-                and_(Batch.status == BatchStatus.in_progress, ~unfinished),
-                Batch.status == BatchStatus.finalizing,
-            )
-        )
-    ).scalars()
-    return list(rows) + sweep_cancelling(session)
+    ready = session.execute(select(Batch.id).where(Batch.status == BatchStatus.in_progress, ~unfinished)).scalars()
+    finalizing = session.execute(select(Batch.id).where(Batch.status == BatchStatus.finalizing)).scalars()
+    settled = [batch_id for batch_id in finalizing if not has_running(session, batch_id)]
+    return [*ready, *settled, *sweep_cancelling(session)]
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,15 @@ class Stack:
     def key(self) -> str:
         return self.env["BACKFILL_BOOTSTRAP_API_KEY"]
 
-    def start(self, name: str, *, kind: str | None = None, port: int | None = None, home: Path | None = None) -> None:
+    def start(
+        self,
+        name: str,
+        *,
+        kind: str | None = None,
+        port: int | None = None,
+        home: Path | None = None,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         """Start `kind` (api, worker or scheduler; by default `name`) as `name`, logging to
         `name.log`; an API on `port` (by default `api_port`), with its own BACKFILL_HOME if given
         (two processes of a kind, as on two hosts)."""
@@ -45,6 +53,7 @@ class Stack:
             if home is None
             else {**self.env, "BACKFILL_HOME": str(home), "BACKFILL_METRICS_DIR": str(home / "metrics")}
         )
+        env = {**env, **(extra_env or {})}
         log = (self.logdir / f"{name}.log").open("ab")
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "backfill", *args],

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
+from sqlalchemy import update
 
 from jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
 from scheduler.leases import SqlLeaseStore
@@ -104,3 +105,37 @@ def test_a_tick_enqueues_each_task_by_its_name(scratch_db: str) -> None:
     sent.clear()
     ticker.tick()
     assert sent == []
+
+
+def test_an_expired_batch_is_finalized_on_the_tick_after_its_last_running_line_is_recorded(scratch_db: str) -> None:
+    """A batch that expires while a drain is recording one of its lines keeps that line running
+    (`expire_overdue` skips it); finalization must come once it is recorded, not a re-nudge
+    interval (30 s) later, which a nudge spent while the line still ran used to cost."""
+    from jobs.models import RequestState
+
+    with unit_of_work() as s:
+        team = Team(name="ticker-expiry")
+        s.add(team)
+        s.flush()
+        team_id = team.id
+    batch_id = _batch(team_id, BatchStatus.finalizing, lines=2)
+    with unit_of_work() as s:
+        s.execute(
+            update(BatchRequest)
+            .where(BatchRequest.batch_id == batch_id, BatchRequest.line == 1)
+            .values(state=RequestState.running, claim_token="drain-1", claimed_at=utcnow())
+        )
+
+    sent: list[tuple[TaskName, tuple[str, ...]]] = []
+    ticker = Ticker(leases=SqlLeaseStore(), enqueue=lambda name, *args: sent.append((name, args)), drains=0)
+    ticker.tick()
+    assert (TaskName.finalize_batch, (batch_id,)) not in sent  # a line still runs: nothing to do yet
+
+    with unit_of_work() as s:  # the drain records its answer
+        s.execute(
+            update(BatchRequest)
+            .where(BatchRequest.batch_id == batch_id, BatchRequest.line == 1)
+            .values(state=RequestState.succeeded, claim_token=None, finished_at=utcnow())
+        )
+    ticker.tick()
+    assert (TaskName.finalize_batch, (batch_id,)) in sent
