@@ -348,15 +348,16 @@ def finalize_batch(units: UnitOfWork, store: ObjectStore, *, batch_id: str) -> B
     wrote = time.monotonic()
     with units() as session:
         status = _complete(session, plan, written)
+    ended = time.monotonic()
     log.info(
         "finalized batch %s: %s, %d lines, %.1f MB in %.2f s (begin %.2f s, files %.2f s, status %.2f s)",
         batch_id,
         status,
         written.succeeded + written.errored,
         sum(written.sizes.values()) / 1e6,
-        time.monotonic() - started,
+        ended - started,
         planned - started,
         wrote - planned,
-        time.monotonic() - wrote,
+        ended - wrote,
     )
     return status

@@ -125,8 +125,13 @@ def sweep_cancelling(session: Session) -> list[str]:
     """Cancelling batches with nothing left running: ready to finish. Their pending lines stay
     as they are (no claim takes a line of a batch that is not in progress) and finalization
     writes them as cancelled (`jobs.output`): a cancel costs no write per line."""
-    cancelling = session.execute(select(Batch.id).where(Batch.status == BatchStatus.cancelling)).scalars()
-    return [batch_id for batch_id in cancelling if not has_running(session, batch_id)]
+    return _settled(session, BatchStatus.cancelling)
+
+
+def _settled(session: Session, status: BatchStatus) -> list[str]:
+    """Batches in `status` with no line running."""
+    batch_ids = session.execute(select(Batch.id).where(Batch.status == status)).scalars()
+    return [batch_id for batch_id in batch_ids if not has_running(session, batch_id)]
 
 
 EXPIRED_BEFORE_VALIDATION = {
@@ -211,9 +216,7 @@ def batches_to_finalize(session: Session) -> list[str]:
         .exists()
     )
     ready = session.execute(select(Batch.id).where(Batch.status == BatchStatus.in_progress, ~unfinished)).scalars()
-    finalizing = session.execute(select(Batch.id).where(Batch.status == BatchStatus.finalizing)).scalars()
-    settled = [batch_id for batch_id in finalizing if not has_running(session, batch_id)]
-    return [*ready, *settled, *sweep_cancelling(session)]
+    return [*ready, *_settled(session, BatchStatus.finalizing), *sweep_cancelling(session)]
 
 
 @dataclass(frozen=True)
