@@ -35,26 +35,31 @@ def store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     db._session_factory.cache_clear()
 
 
+# TTLs are seconds, not fractions of one: on a loaded CI machine a SQLite commit can take
+# longer than half a second, and a lease that lapsed before it was checked proved nothing.
+SHORT_TTL_S = 3.0
+
+
 def test_limit_is_shared_and_leases_lapse(store: LeaseStore) -> None:
-    first = store.acquire("p", limit=3, n=2, ttl_s=0.6)
-    second = store.acquire("p", limit=3, n=5, ttl_s=0.6)
+    first = store.acquire("p", limit=3, n=2, ttl_s=SHORT_TTL_S)
+    second = store.acquire("p", limit=3, n=5, ttl_s=SHORT_TTL_S)
     assert len(first) == 2 and len(second) == 1
-    assert store.acquire("p", limit=3, n=1, ttl_s=0.6) == []
+    assert store.acquire("p", limit=3, n=1, ttl_s=SHORT_TTL_S) == []
     assert store.count("p") == 3
     store.release("p", second)
     assert store.count("p") == 2
-    store.renew("p", first[:1], ttl_s=5)
-    time.sleep(0.8)  # the unrenewed lease lapses by itself, as a dead worker's would
+    store.renew("p", first[:1], ttl_s=60)
+    time.sleep(SHORT_TTL_S + 0.3)  # the unrenewed lease lapses by itself, as a dead worker's would
     assert store.count("p") == 1
     assert len(store.acquire("p", limit=3, n=5, ttl_s=5)) == 2
 
 
 def test_heartbeats_and_published_values_expire(store: LeaseStore) -> None:
-    store.heartbeat("w1", ttl_s=0.5)
-    store.heartbeat("w2", ttl_s=5)
+    store.heartbeat("w1", ttl_s=SHORT_TTL_S)
+    store.heartbeat("w2", ttl_s=60)
     assert store.alive(["w1", "w2", "w3"]) == {"w1", "w2"}
-    store.publish("limit:fleet", "17", ttl_s=0.5)
+    store.publish("limit:fleet", "17", ttl_s=SHORT_TTL_S)
     assert store.read("limit:fleet") == "17"
-    time.sleep(0.7)
+    time.sleep(SHORT_TTL_S + 0.3)
     assert store.alive(["w1", "w2"]) == {"w2"}
     assert store.read("limit:fleet") is None
