@@ -2,11 +2,16 @@
 way `jobs.output` feeds it), the store's streaming put next to the reader it replaced (kept
 inline below: a `bytes +=` buffer under boto3's managed transfer), against SeaweedFS.
 
-Then, with `--lines`, the whole `finalize_batch` on a scratch Postgres database: a batch of
-that many succeeded lines with ~600-byte bodies, read with a streaming query and written to S3.
+Then, with `--lines`, the whole `finalize_batch` on a scratch Postgres database, for git
+revision `--before`'s jobs/output.py (HEAD by default) and the working tree's, interleaved,
+`--repeat` runs each (median, min and max MB/s: the machine is shared), every run checked to
+write the same files and counters. `--shape succeeded`: every line ran (~600-byte bodies, one
+in 50 failed); `--shape expired`: the batch expired after `--ran` lines, the rest are written
+as batch_expired error lines.
 
     .venv/bin/python -m bench.finalize                       # 64 MB, old and new
     .venv/bin/python -m bench.finalize --old-mb 16 --lines 100000
+    .venv/bin/python -m bench.finalize --mb 0 --lines 1000000 --shape expired --repeat 5
 
 The old reader's cost is per 8 MiB part (quadratic in the part, not in the object), so its MB/s
 on a shorter stream (`--old-mb`) is its MB/s on a long one.
@@ -16,12 +21,19 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import os
 import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
 import tracemalloc
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import orjson
@@ -30,6 +42,7 @@ from storage.objects import CHUNK, S3ObjectStore
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 MB = 1024 * 1024
+ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "bench-finalize"
 
 
@@ -104,75 +117,204 @@ def peak_memory_mb(store: S3ObjectStore, nbytes: int) -> float:
     return peak / MB
 
 
-def bench_finalize(store: S3ObjectStore, n_lines: int) -> tuple[float, float, float, float]:
-    """(seconds, MB/s of the two files, MB written, this process's CPU seconds) for finalize_batch
-    on a fresh Postgres batch of succeeded lines (one in 50 failed, for an error file too)."""
-    from sqlalchemy import insert
-    from sqlalchemy.orm import sessionmaker
+# The batches `--lines` finalizes. `ran` lines ran (one in 50 of them failed), `running` more
+# were running when the window closed (expired), and the rest were never claimed (pending,
+# written as batch_expired): the shape a 1,000,000-line batch has when it expires.
+SHAPES = {
+    "succeeded": "every line ran, one in 50 failed: a large output file and a small error file",
+    "expired": "the batch expired with --ran lines run: a small output file and a large error file",
+}
+RUNNING_AT_EXPIRY = 32
+_INSERT_LINES = """
+    INSERT INTO batch_requests (batch_id, line, custom_id, "offset", length, prefix_hash, token_estimate,
+        prefix_rank, prefix_tokens, kv_tokens, state, attempts, result_id, status_code, request_id,
+        response_body, prompt_tokens, cached_tokens, completion_tokens, reasoning_tokens)
+    SELECT %(batch_id)s, i, 'r' || i, 0, 1, '', 0, 0, 0, 0, s.state, 0,
+        CASE WHEN s.answered THEN 'res' || i END,
+        CASE WHEN s.answered THEN CASE WHEN s.state = 'failed' THEN 400 ELSE 200 END END,
+        CASE WHEN s.answered THEN 'q' || i END,
+        CASE WHEN s.answered THEN %(body)s END,
+        CASE WHEN s.state = 'succeeded' THEN 9 ELSE 0 END, CASE WHEN s.state = 'succeeded' THEN 2 ELSE 0 END,
+        CASE WHEN s.state = 'succeeded' THEN 120 ELSE 0 END, 0
+    FROM generate_series(%(start)s, %(end)s) AS i,
+    LATERAL (SELECT CASE
+        WHEN i <= %(ran)s AND i %% 50 = 0 THEN 'failed'
+        WHEN i <= %(ran)s THEN 'succeeded'
+        WHEN i <= %(ran)s + %(running)s THEN 'expired'
+        ELSE 'pending' END AS state) AS st,
+    LATERAL (SELECT st.state, st.state IN ('succeeded', 'failed') AS answered) AS s
+"""
 
-    from jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
-    from jobs.output import finalize_batch
+
+def load_output_revision(rev: str) -> ModuleType:
+    """`jobs/output.py` as it is at git revision `rev`, as a module of its own (the rest of the
+    package is the working tree's), the way bench.validate_speed loads validation."""
+    source = subprocess.run(["git", "show", f"{rev}:jobs/output.py"], cwd=ROOT, check=True, capture_output=True)
+    path = Path(tempfile.mkdtemp()) / "output_before.py"
+    path.write_bytes(source.stdout)
+    spec = importlib.util.spec_from_file_location("output_before", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while decorating
+    spec.loader.exec_module(module)
+    return module
+
+
+def _make_batch(engine: Any, n_lines: int, shape: str, ran: int) -> tuple[str, str, str]:
+    """(batch id, team id, the status finalization starts from) of a fresh batch in `shape`."""
+    from sqlalchemy.orm import Session
+
+    from jobs.models import Batch, BatchStatus, Team, utcnow
+
+    expired = shape == "expired"
+    ran = min(ran, n_lines) if expired else n_lines
+    body = orjson.dumps({"choices": [{"message": {"content": "y" * 480}}], "usage": {"prompt_tokens": 9}})
+    with Session(engine) as s, s.begin():
+        team = Team(name="bench")
+        s.add(team)
+        s.flush()
+        now = utcnow()
+        status = BatchStatus.finalizing if expired else BatchStatus.in_progress  # as expire_overdue leaves it
+        batch = Batch(
+            team_id=team.id,
+            input_file_id="f",
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            status=status,
+            created_at=now,
+            expires_at=now + timedelta(hours=24),
+            expired_at=now if expired else None,
+            finalizing_at=now if expired else None,
+            total=n_lines,
+        )
+        s.add(batch)
+        s.flush()
+        batch_id, team_id = batch.id, team.id
+        driver = s.connection().connection.driver_connection
+        assert driver is not None
+        with driver.cursor() as cursor:
+            for start in range(1, n_lines + 1, 100_000):
+                params = {"batch_id": batch_id, "body": body.decode(), "ran": ran, "running": RUNNING_AT_EXPIRY}
+                cursor.execute(_INSERT_LINES, {**params, "start": start, "end": min(start + 99_999, n_lines)})
+    with engine.connect() as connection:  # settled pages and fresh statistics: every run reads the same
+        connection.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql("VACUUM ANALYZE batch_requests")
+    return batch_id, team_id, status
+
+
+def _reset(engine: Any, store: S3ObjectStore, batch_id: str, team_id: str, status: str) -> None:
+    """The batch back to where finalization starts, its files gone."""
+    from sqlalchemy import update
+    from sqlalchemy.orm import Session
+
+    from jobs.models import Batch
+
+    with Session(engine) as s, s.begin():
+        s.execute(
+            update(Batch).where(Batch.id == batch_id).values(status=status, output_file_id=None, error_file_id=None)
+        )
+    for obj in list(store.list(f"batches/{team_id}/{batch_id}/")):
+        store.delete(obj.key)
+
+
+def _finalize_once(module: Any, engine: Any, store: S3ObjectStore, batch: tuple[str, str, str]) -> dict[str, Any]:
+    """One `module.finalize_batch` of the batch: wall and CPU seconds, bytes, and what it wrote
+    (each file's digest and the batch's counters), for comparing the two revisions."""
+    from sqlalchemy.orm import Session, sessionmaker
+
+    from jobs.models import Batch, BatchStatus
+
+    batch_id, team_id, status = batch
+    _reset(engine, store, batch_id, team_id, status)
+    db = sessionmaker(bind=engine, expire_on_commit=False)
+    started, cpu = time.perf_counter(), time.process_time()
+    final = module.finalize_batch(db.begin, store, batch_id=batch_id)
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    assert final in (BatchStatus.completed, BatchStatus.expired), final
+    objects = sorted(store.list(f"batches/{team_id}/{batch_id}/"))
+    with Session(engine) as s:
+        b = s.get(Batch, batch_id)
+        assert b is not None
+        counters: tuple[Any, ...] = (b.status, b.output_file_id, b.error_file_id, b.completed, b.failed)
+        counters += (b.input_tokens, b.cached_tokens, b.output_tokens, b.reasoning_tokens)
+    return {
+        "seconds": seconds,
+        "cpu": cpu,
+        "bytes": sum(o.size for o in objects),
+        "files": {o.key.rsplit("/", 1)[1]: (o.size, digest(store.open(o.key))) for o in objects},
+        "counters": counters,
+    }
+
+
+def bench_finalize(store: S3ObjectStore, n_lines: int, *, shape: str, ran: int, repeat: int, before: str) -> None:
+    """`finalize_batch` of one fresh Postgres batch, `repeat` times for git revision `before`'s
+    jobs/output.py and for the working tree's, interleaved (the order swapped every round, so a
+    slow stretch of the shared machine falls on both); each run checked to write the same."""
+    import jobs.output as after
     from storage.db import make_engine
     from tests.stack import create_database, drop_database
 
     name = f"backfill_bench_{secrets.token_hex(4)}"
     engine = make_engine(create_database(PG_ADMIN_URL, name))
     try:
-        db = sessionmaker(bind=engine, expire_on_commit=False)
-        body = orjson.dumps({"choices": [{"message": {"content": "y" * 480}}], "usage": {"prompt_tokens": 9}})
-        with db.begin() as s:
-            team = Team(name="bench")
-            s.add(team)
-            s.flush()
-            now = utcnow()
-            batch = Batch(
-                team_id=team.id,
-                input_file_id="f",
-                endpoint="/v1/chat/completions",
-                completion_window="24h",
-                status=BatchStatus.in_progress,
-                created_at=now,
-                expires_at=now + timedelta(hours=24),
-                total=n_lines,
-            )
-            s.add(batch)
-            s.flush()
-            batch_id = batch.id
-            for start in range(0, n_lines, 10_000):
-                s.execute(
-                    insert(BatchRequest),
-                    [
-                        dict(
-                            batch_id=batch_id,
-                            line=i,
-                            custom_id=f"r{i}",
-                            offset=0,
-                            length=1,
-                            state="succeeded" if i % 50 else "failed",
-                            result_id=f"res{i}",
-                            status_code=200 if i % 50 else 400,
-                            request_id=f"q{i}",
-                            response_body=body.decode(),
-                            prompt_tokens=9,
-                        )
-                        for i in range(start + 1, min(start + 10_000, n_lines) + 1)
-                    ],
+        batch = _make_batch(engine, n_lines, shape, ran)
+        revisions = {f"before ({before})": load_output_revision(before), "after (working tree)": after}
+        runs: dict[str, list[dict[str, Any]]] = {label: [] for label in revisions}
+        for round_ in range(repeat):
+            for label in list(revisions)[:: 1 if round_ % 2 == 0 else -1]:
+                runs[label].append(run := _finalize_once(revisions[label], engine, store, batch))
+                print(
+                    f"  round {round_ + 1} {label:<22} {run['seconds']:6.2f} s {run['bytes'] / MB / run['seconds']:7.1f} MB/s"
                 )
-        started, cpu = time.perf_counter(), time.process_time()
-        assert finalize_batch(db.begin, store, batch_id=batch_id) == BatchStatus.completed
-        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
-        written = sum(o.size for o in store.list(f"batches/{team.id}/{batch_id}/"))
-        return seconds, written / MB / seconds, written / MB, cpu
+        every = [run for results in runs.values() for run in results]
+        written = {(repr(run["files"]), run["counters"]) for run in every}
+        assert len(written) == 1, "the revisions wrote different files or counters"
+        files = ", ".join(f"{kind} {size / MB:.1f} MB" for kind, (size, _) in every[0]["files"].items())
+        print(
+            f"finalize_batch, {n_lines} lines on Postgres, shape {shape} ({files}; same bytes and counters every run):"
+        )
+        print(f"{'':<22}{'median MB/s':>12}{'min':>8}{'max':>8}{'median s':>10}{'CPU s here':>12}")
+        summary = []
+        for label, results in runs.items():
+            rates = [r["bytes"] / MB / r["seconds"] for r in results]
+            median = statistics.median(rates)
+            seconds = statistics.median(r["seconds"] for r in results)
+            cpu = statistics.median(r["cpu"] for r in results)
+            print(f"{label:<22}{median:>12.1f}{min(rates):>8.1f}{max(rates):>8.1f}{seconds:>10.2f}{cpu:>12.2f}")
+            summary.append(
+                f"{label.split()[0]}_mb_s={median:.1f} {label.split()[0]}_range={min(rates):.1f}-{max(rates):.1f}"
+            )
+        print(f"finalize_batch: shape={shape} lines={n_lines} repeat={repeat} " + " ".join(summary))
     finally:
         engine.dispose()
         drop_database(PG_ADMIN_URL, name)
 
 
+def bench_put(store: S3ObjectStore, mb: int, old_mb: int) -> None:
+    new, new_cpu = timed_put(store, S3ObjectStore.put, mb * MB, "bench/new")
+    nan = float("nan")
+    old, old_cpu = timed_put(store, old_put, old_mb * MB, "bench/old") if old_mb else (nan, nan)
+    peak = peak_memory_mb(store, mb * MB)
+    print(f"{'S3 put, 600-byte lines':<28}{'MB':>6}{'MB/s':>10}{'CPU s/64 MB':>14}")
+    print(f"{'old (bytes += reader)':<28}{old_mb:>6}{old:>10.2f}{old_cpu:>14.2f}")
+    print(f"{'new (streaming multipart)':<28}{mb:>6}{new:>10.2f}{new_cpu:>14.2f}")
+    print(f"new/old: {new / old:.0f}x the speed, {old_cpu / new_cpu:.0f}x less CPU; new heap peak {peak:.1f} MB")
+    print(
+        f"finalize_put: old_mb_s={old:.2f} new_mb_s={new:.1f} ratio={new / old:.0f}"
+        f" old_cpu_s={old_cpu:.2f} new_cpu_s={new_cpu:.2f} peak_heap_mb={peak:.1f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mb", type=int, default=64, help="stream size for the new put")
+    parser.add_argument("--mb", type=int, default=64, help="stream size for the new put (0 skips the put bench)")
     parser.add_argument("--old-mb", type=int, default=64, help="stream size for the old put (0 skips it)")
     parser.add_argument("--lines", type=int, default=0, help="also time finalize_batch on this many lines")
+    parser.add_argument(
+        "--shape", choices=sorted(SHAPES), default="succeeded", help="; ".join(f"{k}: {v}" for k, v in SHAPES.items())
+    )
+    parser.add_argument("--ran", type=int, default=3000, help="lines that ran before an expired batch expired")
+    parser.add_argument("--repeat", type=int, default=3, help="finalize_batch runs of each revision")
+    parser.add_argument("--before", default="HEAD", help="git revision of jobs/output.py to compare with")
     args = parser.parse_args()
 
     from devfleet.s3 import SeaweedS3
@@ -186,26 +328,10 @@ def main() -> None:
             secret_key=s3.secret_key,
             region=s3.region,
         )
-        new, new_cpu = timed_put(store, S3ObjectStore.put, args.mb * MB, "bench/new")
-        nan = float("nan")
-        old, old_cpu = timed_put(store, old_put, args.old_mb * MB, "bench/old") if args.old_mb else (nan, nan)
-        peak = peak_memory_mb(store, args.mb * MB)
-        print(f"{'S3 put, 600-byte lines':<28}{'MB':>6}{'MB/s':>10}{'CPU s/64 MB':>14}")
-        print(f"{'old (bytes += reader)':<28}{args.old_mb:>6}{old:>10.2f}{old_cpu:>14.2f}")
-        print(f"{'new (streaming multipart)':<28}{args.mb:>6}{new:>10.2f}{new_cpu:>14.2f}")
-        print(f"new/old: {new / old:.0f}x the speed, {old_cpu / new_cpu:.0f}x less CPU; new heap peak {peak:.1f} MB")
-        line = (
-            f"finalize_put: old_mb_s={old:.2f} new_mb_s={new:.1f} ratio={new / old:.0f}"
-            f" old_cpu_s={old_cpu:.2f} new_cpu_s={new_cpu:.2f} peak_heap_mb={peak:.1f}"
-        )
+        if args.mb:
+            bench_put(store, args.mb, args.old_mb)
         if args.lines:
-            seconds, mb_s, written, cpu = bench_finalize(store, args.lines)
-            print(
-                f"finalize_batch, {args.lines} lines on Postgres: {written:.1f} MB in {seconds:.2f} s"
-                f" = {mb_s:.1f} MB/s, {cpu:.2f} CPU s here (Postgres and S3 servers not counted)"
-            )
-            line += f" finalize_batch_mb_s={mb_s:.1f} finalize_batch_cpu_s={cpu:.2f}"
-        print(line)
+            bench_finalize(store, args.lines, shape=args.shape, ran=args.ran, repeat=args.repeat, before=args.before)
 
 
 if __name__ == "__main__":

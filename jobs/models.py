@@ -165,6 +165,10 @@ class Batch(Base):
 
     # Live counters, bumped in the same transaction that records a request's result.
     total: Mapped[int] = mapped_column(Integer, default=0)
+    # Of `total`, the lines whose index rows are still to be written (validation writes a large
+    # index in parts, in release order: `jobs.validation`). The batch runs once its first part
+    # is in, and is finalized only once this is 0.
+    unindexed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     completed: Mapped[int] = mapped_column(Integer, default=0)
     failed: Mapped[int] = mapped_column(Integer, default=0)
     input_tokens: Mapped[int] = mapped_column(BigInteger, default=0)

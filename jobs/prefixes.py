@@ -76,12 +76,17 @@ class TextBlocks:
     def __init__(self, block_tokens: int = BLOCK_TOKENS, chars_per_token: int = APPROX_CHARS_PER_TOKEN) -> None:
         self.chars_per_token = chars_per_token
         self.block_chars = block_tokens * chars_per_token
+        # Fewer characters than this are fewer bytes than a block (at most 4 a character in UTF-8).
+        self._short = (self.block_chars + 3) // 4
 
     def path(self, endpoint: str, body: dict[str, Any], prompt: str) -> tuple[bytes, int]:
-        data = prompt[: self.block_chars * MAX_BLOCKS].encode("utf-8", "surrogatepass")
         step = self.block_chars  # bytes, not characters: cheaper, and as stable
-        full = len(data) // step
-        path = b"".join(_block_fingerprint(data[i * step : (i + 1) * step]) for i in range(full))
+        if len(prompt) < self._short:  # too short for a block in any encoding: the common short line
+            return b"", len(prompt) // self.chars_per_token + 1
+        data = prompt[: step * MAX_BLOCKS].encode("utf-8", "surrogatepass")
+        # _block_fingerprint of each full block, inline: a call a block cost as much as its hash.
+        ends = range(step, len(data) + 1, step)
+        path = b"".join([blake2b(data[end - step : end], digest_size=FINGERPRINT_BYTES).digest() for end in ends])
         return path, len(prompt) // self.chars_per_token + 1
 
 

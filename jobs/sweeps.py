@@ -14,7 +14,7 @@ from datetime import datetime
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from jobs.models import RUNNING_LINES, Batch, BatchRequest, BatchStatus, RequestState, utcnow
+from jobs.models import RUNNING_LINES, TERMINAL_STATUSES, Batch, BatchRequest, BatchStatus, RequestState, utcnow
 from jobs.results import attempts_exceeded, record_outcomes
 
 
@@ -129,8 +129,8 @@ def sweep_cancelling(session: Session) -> list[str]:
 
 
 def _settled(session: Session, status: BatchStatus) -> list[str]:
-    """Batches in `status` with no line running."""
-    batch_ids = session.execute(select(Batch.id).where(Batch.status == status)).scalars()
+    """Batches in `status`, with all their lines indexed, and none running."""
+    batch_ids = session.execute(select(Batch.id).where(Batch.status == status, INDEXED)).scalars()
     return [batch_id for batch_id in batch_ids if not has_running(session, batch_id)]
 
 
@@ -192,6 +192,25 @@ def expire_overdue(session: Session, *, now: datetime | None = None) -> list[str
     return overdue
 
 
+# Every line of the batch has its index row (validation writes a large index in parts).
+INDEXED = Batch.unindexed == 0
+
+
+def indexing_batches(session: Session, *, started_before: datetime) -> list[str]:
+    """Unfinished batches whose index is still being written, validated before `started_before`:
+    if the validation writing it stopped, the next one (nudged by the scheduler loop) resumes."""
+    return list(
+        session.execute(
+            select(Batch.id).where(
+                Batch.unindexed > 0,
+                Batch.status.not_in(TERMINAL_STATUSES),
+                # (A batch cancelled while it was validating never went in progress.)
+                func.coalesce(Batch.in_progress_at, Batch.created_at) < started_before,
+            )
+        ).scalars()
+    )
+
+
 def has_running(session: Session, batch_id: str) -> bool:
     """Whether a line of the batch is running (through the running-lines partial index)."""
     return (
@@ -215,7 +234,9 @@ def batches_to_finalize(session: Session) -> list[str]:
         )
         .exists()
     )
-    ready = session.execute(select(Batch.id).where(Batch.status == BatchStatus.in_progress, ~unfinished)).scalars()
+    ready = session.execute(
+        select(Batch.id).where(Batch.status == BatchStatus.in_progress, INDEXED, ~unfinished)
+    ).scalars()
     return [*ready, *_settled(session, BatchStatus.finalizing), *sweep_cancelling(session)]
 
 

@@ -9,12 +9,15 @@ write makes validation raise; an unexpected failure ends the batch through
 
 from __future__ import annotations
 
+import logging
 import re
 from array import array
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import Enum
 from itertools import islice
+from struct import Struct
 from typing import Any
 
 from sqlalchemy import delete, insert, select, update
@@ -41,6 +44,7 @@ from jobs.validation_lines import (
     check_line,
     iter_lines,
     iter_lines_bounded,
+    line_checker,
     max_output_tokens,
     prompt_text,
     quote,
@@ -48,6 +52,8 @@ from jobs.validation_lines import (
 from jobs.webhooks import record_batch_event
 
 # iter_lines, max_output_tokens and prompt_text are also read by the CLI's local estimate.
+UnitOfWork = Callable[[], AbstractContextManager[Session]]
+
 __all__ = [
     "Limits",
     "RequestIndex",
@@ -61,9 +67,16 @@ __all__ = [
     "prompt_text",
     "validate_lines",
     "validation_failure_message",
+    "write_index_parts",
 ]
 
+log = logging.getLogger("backfill.validation")
+
 VALIDATION_FAILED_CODE = "validation_failed"
+# Index rows written with the batch's move to in_progress, then per transaction after it: enough
+# for the drains' first minutes, and a part a fraction of a second of COPY.
+FIRST_INDEX_PART = 20_000
+INDEX_PART = 50_000
 INSERT_ROWS = 5000
 MESSAGE_CHARS = 500
 
@@ -89,6 +102,7 @@ INDEX_COLUMNS = (
     "token_estimate",
 )
 _INTS = 5  # line, length, token estimate, KV tokens, completions (n): each fits an int32
+_pack_ints = Struct(f"{_INTS}i").pack  # (native: as array("i") holds them)
 
 
 class RequestIndex(Collection[dict[str, Any]]):
@@ -109,6 +123,7 @@ class RequestIndex(Collection[dict[str, Any]]):
         self._ids = bytearray()  # the custom_ids in UTF-8, one after another
         self._id_ends = array("q")
         self._plan: PrefixPlan | None = None
+        self._order: array[int] | None = None  # see _by_rank
 
     def add(
         self,
@@ -121,12 +136,16 @@ class RequestIndex(Collection[dict[str, Any]]):
         kv_tokens: int,
         samples: int = 1,
     ) -> None:
-        self._ints.extend((line, length, token_estimate, min(kv_tokens, INT32_MAX), samples))
+        # One packed call: an array's extend converts each int with PyArg_Parse, 3x the cost.
+        self._ints.frombytes(_pack_ints(line, length, token_estimate, min(kv_tokens, INT32_MAX), samples))
         self._offsets.append(offset)
-        self._paths += path
-        self._path_ends.append(len(self._paths))
-        self._ids += custom_id.encode()
-        self._id_ends.append(len(self._ids))
+        paths = self._paths
+        if path:  # (most short prompts have none)
+            paths += path
+        self._path_ends.append(len(paths))
+        ids = self._ids
+        ids += custom_id.encode()
+        self._id_ends.append(len(ids))
         self._plan = None
 
     def __len__(self) -> int:
@@ -157,17 +176,22 @@ class RequestIndex(Collection[dict[str, Any]]):
             self._plan = plan_prefix_order(paths, self._ints[0::_INTS], self._ints[3::_INTS])
         return self._plan
 
-    def rows(self) -> Iterator[tuple[Any, ...]]:
-        """Each line's index row: the values of INDEX_COLUMNS, in order, in input order."""
+    def rows(self, ranks: range | None = None) -> Iterator[tuple[Any, ...]]:
+        """Each line's index row: the values of INDEX_COLUMNS, in order. All lines in input
+        order, or with `ranks` the lines at those places of the release order, in that order."""
         ints, offsets, bt = self._ints, self._offsets, self.block_tokens
         ids, id_ends = self._ids, self._id_ends
         plan = self.plan()
         shared_blocks, session_kv, rank, after = plan.shared_blocks, plan.session_kv, plan.rank, plan.after
         no_blocks = node_id(b"", 0)  # a prompt shorter than one block: the common short line
-        start = 0
-        for i in range(len(self)):
+        if ranks is None:
+            lines: Iterable[int] = range(len(self))
+        else:
+            by_rank = self._by_rank()
+            lines = (by_rank[r] for r in ranks)
+        for i in lines:
             k = _INTS * i
-            custom_id, start = ids[start : id_ends[i]].decode(), id_ends[i]
+            custom_id = ids[id_ends[i - 1] if i else 0 : id_ends[i]].decode()
             path, shared = self._path(i), shared_blocks[i]
             blocks = len(path) // FINGERPRINT_BYTES
             if ints[k + 4] > 1:  # n completions share their whole prompt
@@ -186,6 +210,16 @@ class RequestIndex(Collection[dict[str, Any]]):
                 after[i] or None,
                 ints[k + 2],
             )
+
+    def _by_rank(self) -> array[int]:
+        """The lines (their places in this index) in release order: the inverse of the rank."""
+        if self._order is None or len(self._order) != len(self):
+            rank = self.plan().rank
+            order = array("q", bytes(8 * len(self)))
+            for i, r in enumerate(rank):
+                order[r] = i
+            self._order = order
+        return self._order
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for row in self.rows():
@@ -248,7 +282,10 @@ def scan_lines(
     blocks: PromptBlocks | None = None,
 ) -> LineScan:
     """Check each line of `numbered` ((number, offset, length, raw or None past the limit), as
-    `iter_lines_bounded` gives them) on its own, and index the valid ones."""
+    `iter_lines_bounded` gives them) on its own, and index the valid ones.
+
+    A line goes through `line_checker` first, which confirms the common valid line cheaply;
+    any other goes through `check_line`, which alone reports errors."""
     blocks = blocks or TextBlocks()
     scan = LineScan(ValidationResult())
     result, index, seen_ids, models = scan.result, scan.result.requests, scan.seen_ids, scan.models
@@ -257,38 +294,59 @@ def scan_lines(
     max_line_bytes = min(limits.max_line_bytes, INT32_MAX - 1)
     count = 0
     number = 0
+    token_estimate = 0
+    fast = line_checker(endpoint, seen_ids)
+    path_of, add = blocks.path, index.add
 
     def fail(code: str, message: str, param: str | None) -> None:
         result.add_error(limits, code=code, message=message, line=number, param=param)
 
+    line: bytes | None
     for number, offset, length, raw in numbered:
-        if raw is not None and (not raw or raw.isspace()):
-            continue  # blank lines are skipped, as OpenAI does
-        count += 1
-        if count > max_requests or number > INT32_MAX:
-            fail("too_many_requests", too_many_requests_message(max_requests), None)
-            scan.stopped = True
-            break
-        line = raw[:-1] if raw is not None and raw.endswith(b"\r") else raw
-        if line is None or len(line) > max_line_bytes:
-            fail("line_too_large", f"Line is {length} bytes; the limit is {max_line_bytes}.", None)
-            continue
-        request = check_line(line, endpoint=endpoint, seen_ids=seen_ids, fail=fail, number=number)
-        if request is None:
-            continue
-        models.setdefault(request.model, number)
-        result.token_estimate += request.token_estimate
-        path, prompt_tokens = blocks.path(endpoint, request.body, request.prompt)
-        index.add(
-            number,
-            offset,
-            length,
-            request.custom_id,
-            path,
-            request.token_estimate,
-            prompt_tokens + request.output_tokens,
-            n if type(n := request.body.get("n")) is int else 1,
-        )
+        # The common line (ending in '}': not blank, no '\r' to strip; within the limit) goes on;
+        # each other one the checks in order: blank, too many, '\r', too large, check_line.
+        if raw and raw[-1] == 125 and len(raw) <= max_line_bytes:  # ends in '}'
+            count += 1
+            if count > max_requests or number > INT32_MAX:
+                fail("too_many_requests", too_many_requests_message(max_requests), None)
+                scan.stopped = True
+                break
+            line = raw
+        else:
+            if raw is not None and (not raw or raw.isspace()):
+                continue  # blank lines are skipped, as OpenAI does
+            count += 1
+            if count > max_requests or number > INT32_MAX:
+                fail("too_many_requests", too_many_requests_message(max_requests), None)
+                scan.stopped = True
+                break
+            line = raw[:-1] if raw is not None and raw.endswith(b"\r") else raw
+            if line is None or len(line) > max_line_bytes:
+                fail("line_too_large", f"Line is {length} bytes; the limit is {max_line_bytes}.", None)
+                continue
+        checked = fast(line, number)
+        if checked is not None:
+            custom_id, model, prompt, estimate, body, output, n = checked
+        else:
+            request = check_line(line, endpoint=endpoint, seen_ids=seen_ids, fail=fail, number=number)
+            if request is None:
+                continue
+            custom_id, model, prompt, estimate, body, output = (
+                request.custom_id,
+                request.model,
+                request.prompt,
+                request.token_estimate,
+                request.body,
+                request.output_tokens,
+            )
+            samples = body.get("n")
+            n = samples if type(samples) is int else 1
+        if model not in models:
+            models[model] = number
+        token_estimate += estimate
+        path, prompt_tokens = path_of(endpoint, body, prompt)
+        add(number, offset, length, custom_id, path, estimate, prompt_tokens + output, n)
+    result.token_estimate += token_estimate
     scan.requests, scan.lines = count, number
     return scan
 
@@ -373,16 +431,46 @@ def apply_validation(session: Session, *, batch_id: str, result: ValidationResul
         record_batch_event(session, batch_id=batch_id, status=BatchStatus.failed)  # the webhook outbox
         return BatchStatus.failed
     session.execute(delete(BatchRequest).where(BatchRequest.batch_id == batch_id))
-    write_index(session, batch_id=batch_id, requests=result.requests)
+    # The first part of the index now, the rest by `write_index_parts` in transactions of their
+    # own: the batch runs from its first lines while the rest are written.
+    first = min(len(result.requests), FIRST_INDEX_PART)
+    write_index(session, batch_id=batch_id, requests=result.requests, ranks=range(first))
     values: dict[str, Any] = {
         "model": result.model,
         "total": len(result.requests),
+        "unindexed": len(result.requests) - first,
         "token_estimate": token_estimate,
     }
     if batch.status == BatchStatus.validating:
         values.update(status=BatchStatus.in_progress, in_progress_at=now)
     session.execute(update(Batch).where(Batch.id == batch_id).values(**values))
     return str(values.get("status", batch.status))
+
+
+def write_index_parts(units: UnitOfWork, *, batch_id: str, requests: RequestIndex) -> int:
+    """Write the index rows `apply_validation` left, INDEX_PART rows in release order per
+    transaction, each committed with the batch's `unindexed` count. Resumable and idempotent: a
+    part starts where the count says (a validation killed midway is picked up by the next,
+    which scans the file again and continues), so no row is written twice. Returns how many
+    rows are written in all (the batch's `total` once done)."""
+    while True:
+        with units() as session:
+            # FOR NO KEY UPDATE: claims (FOR KEY SHARE) go on; an expiry (FOR UPDATE) waits.
+            batch = session.execute(
+                select(Batch.total, Batch.unindexed).where(Batch.id == batch_id).with_for_update(key_share=True)
+            ).one_or_none()
+            if batch is None:
+                return 0
+            total, unindexed = int(batch.total), int(batch.unindexed)
+            if total != len(requests):  # not this index (or none to write)
+                log.error("batch %s: index of %d lines does not match its %d; not written", batch_id, len(requests), total)
+                return total - unindexed
+            start = total - unindexed
+            if start >= total:
+                return start
+            end = min(start + INDEX_PART, total)
+            write_index(session, batch_id=batch_id, requests=requests, ranks=range(start, end))
+            session.execute(update(Batch).where(Batch.id == batch_id).values(unindexed=total - end))
 
 
 def _row_columns() -> tuple[tuple[str, ...], tuple[Any, ...]]:
@@ -399,8 +487,9 @@ def _row_columns() -> tuple[tuple[str, ...], tuple[Any, ...]]:
     return ("batch_id", *INDEX_COLUMNS, *defaults), constants
 
 
-def write_index(session: Session, *, batch_id: str, requests: RequestIndex) -> None:
-    """Insert a batch's index rows in the session's transaction, streamed: nothing per line is
+def write_index(session: Session, *, batch_id: str, requests: RequestIndex, ranks: range | None = None) -> None:
+    """Insert a batch's index rows (all, or those at `ranks` of the release order, in that
+    order) in the session's transaction, streamed: nothing per line is
     built beyond a chunk of rows. Postgres gets one COPY in its text format, the rows formatted
     here (`copy_text`: psycopg's per-value `write_row` cost more than the database's own work on
     a million rows); SQLite, the embedded mode, multi-row INSERTs.
@@ -414,10 +503,10 @@ def write_index(session: Session, *, batch_id: str, requests: RequestIndex) -> N
         assert driver is not None
         statement = "COPY batch_requests ({}) FROM STDIN".format(", ".join(f'"{n}"' for n in names))
         with driver.cursor() as cursor, cursor.copy(statement) as copy:
-            for chunk in copy_text(batch_id, requests.rows(), constants):
+            for chunk in copy_text(batch_id, requests.rows(ranks), constants):
                 copy.write(chunk)
         return
-    rows = ((batch_id, *row, *constants) for row in requests.rows())
+    rows = ((batch_id, *row, *constants) for row in requests.rows(ranks))
     insert_rows = insert(BatchRequest)
     while part := [dict(zip(names, row, strict=True)) for row in islice(rows, INSERT_ROWS)]:
         connection.execute(insert_rows, part)

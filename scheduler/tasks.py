@@ -27,7 +27,7 @@ from celery.signals import task_postrun, task_prerun, worker_process_init, worke
 from jobs import output, validation
 from jobs.catalog import get_catalog
 from jobs.files import file_key, stored_size
-from jobs.models import Batch, BatchStatus
+from jobs.models import TERMINAL_STATUSES, Batch, BatchStatus
 from jobs.validation_parallel import default_processes, validate_object
 from scheduler.dispatcher import Dispatcher
 from scheduler.fleet import FleetClient
@@ -107,8 +107,13 @@ def validate_batch(batch_id: str) -> str:
     s = get_settings()
     with unit_of_work() as session:
         batch = session.get(Batch, batch_id)
-        if batch is None or batch.status not in (BatchStatus.validating, BatchStatus.cancelling) or batch.total:
-            return batch.status if batch else "missing"
+        if batch is None:
+            return "missing"
+        # Validated already, but its index not all written (the validation that wrote its
+        # first part stopped): scan again and write the rest.
+        resume = batch.unindexed > 0 and batch.status not in TERMINAL_STATUSES
+        if not resume and (batch.status not in (BatchStatus.validating, BatchStatus.cancelling) or batch.total):
+            return batch.status
         key = file_key(batch.team_id, batch.input_file_id)
         endpoint = batch.endpoint
         size = stored_size(session, batch.input_file_id)
@@ -122,7 +127,8 @@ def validate_batch(batch_id: str) -> str:
                 size,
                 processes=s.validation_processes or default_processes(),
                 endpoint=endpoint,
-                served_models=get_catalog().model_ids(),
+                # (A resumed batch's model was checked when it was validated.)
+                served_models=None if resume else get_catalog().model_ids(),
                 limits=validation.Limits(
                     max_requests=s.max_requests_per_batch,
                     max_line_bytes=s.max_line_bytes,
@@ -130,16 +136,23 @@ def validate_batch(batch_id: str) -> str:
                 ),
             )
             written = time.monotonic()
-            with unit_of_work() as session:
-                status = validation.apply_validation(session, batch_id=batch_id, result=result)
+            if resume:
+                status = "resumed"
+            else:
+                with unit_of_work() as session:
+                    status = validation.apply_validation(session, batch_id=batch_id, result=result)
+            started = time.monotonic()
+            if status != BatchStatus.failed:
+                validation.write_index_parts(unit_of_work, batch_id=batch_id, requests=result.requests)
             log.info(
-                "validation of batch %s: %s; index of %d lines written in %.1f s",
+                "validation of batch %s: %s in %.1f s; the rest of its index of %d lines written in %.1f s",
                 batch_id,
                 status,
+                started - written,
                 len(result.requests),
-                time.monotonic() - written,
+                time.monotonic() - started,
             )
-            return status
+            return str(status)
         except Exception as exc:
             reason = validation.validation_failure_message(exc)
             if validation.is_transient_validation_error(exc):

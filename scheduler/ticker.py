@@ -183,6 +183,8 @@ class Ticker:
                     select(Batch.id).where(Batch.status == BatchStatus.validating, Batch.created_at < stale)
                 ).scalars()
             )
+            # (A validation writing an index holds its lease: a nudge then returns at once.)
+            waiting += sweeps.indexing_batches(session, started_before=stale)
             pending = sweeps.pending_batches(session)
             has_work = bool(pending)
         for batch_id in waiting:

@@ -10,10 +10,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
-from sqlalchemy import func, select, text, update
+from sqlalchemy import event, func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobs import output
@@ -291,6 +292,10 @@ def test_the_database_writes_the_same_bytes_as_the_formatter(
                     status_code=None if n % 5 == 0 else 200,
                     request_id=None if n % 4 == 0 else text,
                     response_body=None if n % 6 == 0 else "" if n % 6 == 1 else orjson.dumps({"t": text}).decode(),
+                    prompt_tokens=n % 11,
+                    cached_tokens=n % 3,
+                    completion_tokens=n % 13,
+                    reasoning_tokens=n % 2,
                 )
             )
         s.flush()
@@ -322,6 +327,153 @@ def test_the_database_writes_the_same_bytes_as_the_formatter(
             if kind_states == output.ERROR_STATES:
                 pending = [x for x in lines if int(x["custom_id"].rsplit("-", 1)[1]) % len(states) == 4]
                 assert pending and {x["error"]["code"] for x in pending} == {f"batch_{pending_as}"}
+        # Finalization's one read: both files from the same pages, with the counts and the usage
+        # a GROUP BY over the rows gives.
+        files = (output.OUTPUT_STATES, output.ERROR_STATES)
+        pages = list(output._pages(s, batch_id, files, pending_as=RequestState.expired))
+        errors = output.error_bodies(RequestState.expired)
+        for n, file_states in enumerate(files):
+            assert b"".join(p.lines[n] for p in pages) == output._format_page(
+                (r for r in rows if r.state in file_states), errors
+            )
+            assert sum(p.counts[n] for p in pages) == sum(r.state in file_states for r in rows)
+        usage = s.execute(
+            select(*(func.sum(getattr(BatchRequest, c)) for c in output._USAGE)).where(
+                BatchRequest.batch_id == batch_id, BatchRequest.state == RequestState.succeeded
+            )
+        ).one()
+        assert tuple(sum(p.usage[i] for p in pages) for i in range(4)) == tuple(usage) != (0, 0, 0, 0)
+
+
+def _statements(db: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int | None]]:
+    """Every statement sent from now on, with the first line of the page it reads (None for
+    others): at the driver's cursor on Postgres (the page reads there bypass SQLAlchemy, on
+    connections of their own), through SQLAlchemy's cursor event on SQLite."""
+    seen: list[tuple[str, int | None]] = []
+    engine = db.kw["bind"]
+    if engine.dialect.name == "postgresql":
+        import psycopg
+
+        execute = psycopg.Cursor.execute
+
+        def recording(cursor: psycopg.Cursor[Any], query: Any, params: Any = None, **kw: Any) -> Any:
+            seen.append((str(query), params.get("start") if isinstance(params, dict) else None))
+            return execute(cursor, query, params, **kw)
+
+        monkeypatch.setattr(psycopg.Cursor, "execute", recording)
+    else:
+
+        def record(conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
+            seen.append((statement, context.compiled_parameters[0].get("start")))
+
+        event.listen(engine, "before_cursor_execute", record)
+    return seen
+
+
+def test_both_files_come_from_one_read_of_the_rows(
+    db: sessionmaker[Session], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each page of lines is read by one statement, which gives both files' lines and the
+    totals: no second read for the other file, no scan for the counts and the usage."""
+    store = LocalObjectStore(tmp_path / "objects")
+    with db.begin() as s:
+        batch = _batch(s, status=BatchStatus.in_progress, states=LINES)
+        batch_id, team_id = batch.id, batch.team_id
+    monkeypatch.setattr(output, "_ROWS_PER_FETCH", 2)  # lines 1-5: three pages
+    seen = _statements(db, monkeypatch)
+    assert finalize_batch(db.begin, store, batch_id=batch_id) == BatchStatus.completed
+    rows_read = [(sql, start) for sql, start in seen if "batch_requests" in sql]
+    pages = sorted(start for sql, start in rows_read if "response_body" in sql and start is not None)
+    assert len(pages) == sum("response_body" in sql for sql, _ in rows_read)
+    assert pages == [0, 2, 4]
+    probes = [sql for sql, start in rows_read if "response_body" not in sql]
+    # The rest only probe indexes: whether a line is left to run (`_begin`), the last line number.
+    assert len(probes) <= 3 and all(
+        "EXISTS" in sql or "'running'" in sql or "max(batch_requests.line)" in sql for sql in probes
+    ), probes
+    assert set(_files(store, team_id, batch_id)) == {output_key(team_id, batch_id, k) for k in ("output", "error")}
+    with db() as s:
+        done = s.get(Batch, batch_id)
+        assert done is not None and (done.completed, done.failed, done.input_tokens, done.output_tokens) == (
+            3,
+            2,
+            90,
+            9,
+        )
+
+
+class FailingStore(LocalObjectStore):
+    """A local store whose put of one kind of file fails at its first chunk (the store went away)."""
+
+    def __init__(self, root: Path, kind: str) -> None:
+        super().__init__(root)
+        self.kind = kind
+
+    def put(self, key: str, chunks: Iterable[bytes], *, max_bytes: int | None = None) -> int:
+        if key.endswith(f"/{self.kind}.jsonl"):
+            next(iter(chunks))
+            raise ConnectionError("object store unreachable")
+        return super().put(key, chunks, max_bytes=max_bytes)
+
+
+def _finalize_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(("finalize-put", "finalize-read"))]
+
+
+@pytest.mark.parametrize("kind", ["output", "error"])
+def test_a_failed_put_of_either_file_fails_the_finalization_and_a_later_one_completes(
+    db: sessionmaker[Session], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """The failure surfaces while pages are still being read (one line a page here), no thread is
+    left behind, the batch stays finalizing with no File row, and the redo writes what a
+    finalization that never failed writes."""
+    with db.begin() as s:
+        batch = _batch(s, status=BatchStatus.in_progress, states=LINES)
+        batch_id, team_id = batch.id, batch.team_id
+    monkeypatch.setattr(output, "_ROWS_PER_FETCH", 1)
+    with ThreadPoolExecutor(1) as pool:
+        failing = pool.submit(finalize_batch, db.begin, FailingStore(tmp_path / "objects", kind), batch_id=batch_id)
+        with pytest.raises(ConnectionError):
+            failing.result(timeout=60)
+    assert _finalize_threads() == []
+    with db() as s:
+        assert s.get(Batch, batch_id).status == BatchStatus.finalizing  # type: ignore[union-attr]
+        assert s.execute(select(func.count()).select_from(File)).scalar() == 0
+    assert output_key(team_id, batch_id, kind) not in _files(LocalObjectStore(tmp_path / "objects"), team_id, batch_id)
+
+    store = LocalObjectStore(tmp_path / "objects")
+    assert finalize_batch(db.begin, store, batch_id=batch_id) == BatchStatus.completed
+    with db.begin() as s:
+        again = _batch(s, status=BatchStatus.in_progress, states=LINES)
+    assert finalize_batch(db.begin, LocalObjectStore(tmp_path / "fresh"), batch_id=again.id) == BatchStatus.completed
+    fresh = _files(LocalObjectStore(tmp_path / "fresh"), again.team_id, again.id)
+    # The lines name no batch: a batch of the same lines finalized without a failure, same bytes.
+    assert [v for _, v in sorted(fresh.items())] == [v for _, v in sorted(_files(store, team_id, batch_id).items())]
+
+
+def test_a_failed_read_ends_both_puts_without_an_object(
+    db: sessionmaker[Session], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rows stop coming mid-read (the database went away): both puts are ended unfinished,
+    so neither file appears at its key, and no thread is left behind."""
+    store = LocalObjectStore(tmp_path / "objects")
+    with db.begin() as s:
+        batch = _batch(s, status=BatchStatus.in_progress, states=LINES)
+        batch_id, team_id = batch.id, batch.team_id
+    pages = output._pages
+
+    def failing_pages(*args: Any, **kwargs: Any) -> Iterator[output._Page]:
+        yield next(pages(*args, **kwargs))
+        raise OSError("server closed the connection")
+
+    monkeypatch.setattr(output, "_ROWS_PER_FETCH", 1)
+    monkeypatch.setattr(output, "_pages", failing_pages)
+    with pytest.raises(OSError, match="server closed"):
+        finalize_batch(db.begin, store, batch_id=batch_id)
+    assert _finalize_threads() == []
+    assert list(store.list(f"batches/{team_id}/{batch_id}/")) == []  # not even a `.tmp-` file
+    with db() as s:
+        assert s.get(Batch, batch_id).status == BatchStatus.finalizing  # type: ignore[union-attr]
 
 
 def test_expiry_writes_only_the_running_lines_and_finalization_settles_the_pending_ones(

@@ -86,8 +86,8 @@ class _Dies(RequestIndex):
     def __len__(self) -> int:
         return len(self.inner)
 
-    def rows(self) -> Iterator[tuple[Any, ...]]:
-        for n, row in enumerate(self.inner.rows()):
+    def rows(self, ranks: range | None = None) -> Iterator[tuple[Any, ...]]:
+        for n, row in enumerate(self.inner.rows(ranks)):
             if n == self.after:
                 raise RuntimeError("worker killed")
             yield row

@@ -9,8 +9,9 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
 
-from jobs.models import Batch, BatchStatus, File, utcnow
+from jobs.models import Batch, BatchRequest, BatchStatus, File, utcnow
 from jobs.teams import get_or_create_team
 
 
@@ -113,3 +114,47 @@ def test_an_unreachable_fleet_leaves_the_batch_to_the_next_nudge(env: pytest.Mon
     _reset()
     assert validate_batch(batch_id) == "waiting"
     assert _status(batch_id) == (BatchStatus.validating, None)
+
+
+def test_a_validation_stopped_while_writing_its_index_is_resumed_by_the_next_nudge(env: pytest.MonkeyPatch) -> None:
+    from contextlib import contextmanager
+
+    from jobs import sweeps, validation
+    from scheduler.tasks import validate_batch
+    from storage.db import unit_of_work
+
+    env.setattr(validation, "FIRST_INDEX_PART", 5)
+    env.setattr(validation, "INDEX_PART", 10)
+    batch_id = _batch(_lines(60))
+    real = validation.write_index_parts
+
+    def killed_after_one_part(units: object, **kwargs: object) -> int:
+        commits = {"n": 0}
+
+        @contextmanager
+        def dying() -> Iterator[object]:
+            with unit_of_work() as s:
+                yield s
+                commits["n"] += 1
+                if commits["n"] > 1:
+                    raise RuntimeError("worker killed")
+
+        return real(dying, **kwargs)  # type: ignore[arg-type]
+
+    env.setattr(validation, "write_index_parts", killed_after_one_part)
+    validate_batch(batch_id)
+    with unit_of_work() as s:
+        b = s.get(Batch, batch_id)
+        assert b is not None and (b.status, b.total - b.unindexed, b.total) == (BatchStatus.in_progress, 15, 60)
+        # What the scheduler loop nudges again (once the batch has been in progress a while).
+        assert batch_id in sweeps.indexing_batches(s, started_before=utcnow() + timedelta(seconds=1))
+
+    env.setattr(validation, "write_index_parts", real)
+    assert validate_batch(batch_id) == "resumed"
+    with unit_of_work() as s:
+        b = s.get(Batch, batch_id)
+        assert b is not None and (b.status, b.unindexed, b.total) == (BatchStatus.in_progress, 0, 60)
+        lines = s.execute(select(BatchRequest.line).where(BatchRequest.batch_id == batch_id)).scalars().all()
+        assert sorted(lines) == list(range(1, 61))  # each line once
+        assert batch_id not in sweeps.indexing_batches(s, started_before=utcnow() + timedelta(seconds=1))
+    assert validate_batch(batch_id) == BatchStatus.in_progress  # nothing left to do
