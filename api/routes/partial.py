@@ -2,7 +2,9 @@
 
 The bytes are those finalization will write for the same lines (`jobs.output.result_lines`):
 `kind=output` gives the lines that succeeded, as in `output.jsonl`; `kind=errors` the lines that
-failed (or were cancelled or expired), as in `error.jsonl`. Input order; one consistent snapshot.
+failed (or were cancelled or expired), as in `error.jsonl`. Input order. A line still pending is
+an error line only once the batch will never run it (cancelled, or expired): then as written in
+its error file; while the batch runs, it is not finished and not listed.
 The OpenAI routes are untouched: this is a separate path.
 """
 
@@ -19,18 +21,24 @@ from api.errors import COMMON_ERRORS, error_responses
 from api.wire import batch_id_in
 from jobs import batches as batch_service
 from jobs.errors import Conflict
+from jobs.models import Batch, BatchStatus, RequestState
 from jobs.output import ERROR_STATES, OUTPUT_STATES, result_lines
 from storage.db import unit_of_work
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=error_responses(*COMMON_ERRORS))
 
-_STATES = {"output": OUTPUT_STATES, "errors": ERROR_STATES}
+_CANCELLED = (BatchStatus.cancelling, BatchStatus.cancelled)
 
 
-def _lines(batch_id: str, kind: Literal["output", "errors"]) -> Iterator[bytes]:
+def _lines(batch_id: str, kind: Literal["output", "errors"], batch: Batch) -> Iterator[bytes]:
+    states: tuple[RequestState, ...] = OUTPUT_STATES
+    pending_as = RequestState.cancelled if batch.status in _CANCELLED else RequestState.expired
+    if kind == "errors":
+        settled = batch.status in _CANCELLED or batch.expired_at is not None
+        states = ERROR_STATES if settled else tuple(s for s in ERROR_STATES if s != RequestState.pending)
     # Its own read transaction: the request's unit of work ends before the response is sent.
     with unit_of_work() as session:
-        yield from result_lines(session, batch_id, _STATES[kind])
+        yield from result_lines(session, batch_id, states, pending_as=pending_as)
 
 
 @router.get(
@@ -56,7 +64,7 @@ def partial_output(
         )
     name = f"{batch_id}_partial_{kind}.jsonl"
     return StreamingResponse(
-        _lines(batch.id, kind),
+        _lines(batch.id, kind, batch),
         media_type="application/jsonl",
         headers={"Content-Disposition": f'attachment; filename="{name}"'},
     )

@@ -110,3 +110,32 @@ def test_scoping_kinds_and_purged_bodies(api: CheckedClient, team: Team, other_t
         session.execute(update(Batch).where(Batch.id == batch_id).values(bodies_purged_at=utcnow()))
     purged = api.get(path, headers=team.headers)
     assert purged.status_code == 409 and "output and error files" in purged.json()["error"]["message"]
+
+
+def test_lines_still_pending_are_no_errors_while_the_batch_runs(api: CheckedClient, team: Team) -> None:
+    """A pending line of a running batch has not finished: `kind=errors` lists only what failed
+    (it used to list every pending line as `batch_expired`). Once the batch is cancelled, its
+    pending lines are the error file's `batch_cancelled` lines."""
+    data = _input()
+    f = upload(api, team, data=data)
+    wire_id = api.post(
+        "/v1/batches",
+        headers=team.headers,
+        json={"input_file_id": f["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+    ).json()["id"]
+    batch_id = batch_id_in(wire_id)
+    result = validate_lines([data], endpoint="/v1/chat/completions", served_models=None, limits=Limits(100, 1 << 20, 10))
+    with unit_of_work() as session:
+        assert apply_validation(session, batch_id=batch_id, result=result) == "in_progress"
+    with unit_of_work() as session:
+        (claimed,) = claim_requests(session, batch_id=batch_id, limit=1, claim_token=TOKEN)
+    _record(batch_id, (claimed.line, _answer(claimed.line, status=400)))
+    path = f"/v1/batches/{wire_id}/partial_output"
+    errors = api.get(path, headers=team.headers, params={"kind": "errors"}).content.splitlines()
+    assert [json.loads(x)["custom_id"] for x in errors] == [claimed.custom_id]
+
+    assert api.post(f"/v1/batches/{wire_id}/cancel", headers=team.headers).status_code == 200
+    errors = api.get(path, headers=team.headers, params={"kind": "errors"}).content.splitlines()
+    assert len(errors) == LINES
+    codes = [(json.loads(x)["error"] or {}).get("code") for x in errors]  # (a fleet 4xx is a response)
+    assert codes.count("batch_cancelled") == LINES - 1
