@@ -134,6 +134,14 @@ def _settled(session: Session, status: BatchStatus) -> list[str]:
     return [batch_id for batch_id in batch_ids if not has_running(session, batch_id)]
 
 
+def settled(session: Session, batch_ids: Sequence[str], *, status: BatchStatus) -> list[str]:
+    """Those of `batch_ids` in `status`, with all their lines indexed, and none running."""
+    in_status = session.execute(
+        select(Batch.id).where(Batch.id.in_(batch_ids), Batch.status == status, INDEXED)
+    ).scalars()
+    return [batch_id for batch_id in in_status if not has_running(session, batch_id)]
+
+
 EXPIRED_BEFORE_VALIDATION = {
     "code": "batch_expired",
     "message": "The batch expired before its input file could be validated.",

@@ -31,6 +31,9 @@ from storage.settings import get_settings
 log = logging.getLogger("backfill.scheduler")
 
 RENUDGE_S = 30.0
+# How long a tick looks again at batches it just expired, and how often (`_finalize_as_they_settle`).
+SETTLE_WAIT_S = 1.0
+SETTLE_POLL_S = 0.05
 
 
 class Enqueue(Protocol):
@@ -165,11 +168,12 @@ class Ticker:
 
     def tick(self) -> None:
         with unit_of_work() as session:
-            sweeps.expire_overdue(session)
+            expired = sweeps.expire_overdue(session)
         with unit_of_work() as session:
             to_finalize = sweeps.batches_to_finalize(session)
         for batch_id in to_finalize:
             self._nudge(TaskName.finalize_batch, batch_id)
+        self._finalize_as_they_settle([b for b in expired if b not in to_finalize])
 
         try:
             self.reconciler.reclaim()
@@ -209,6 +213,19 @@ class Ticker:
 
         webhook_delivery.deliver_in_background()  # due webhooks, in a thread of their own
         self.retain()
+
+    def _finalize_as_they_settle(self, batch_ids: list[str]) -> None:
+        """Batches that just expired with a line a drain was recording (the expiry skips it):
+        the drain commits it within moments, so look again for a short while and nudge each
+        batch's finalization once it settles, rather than a tick later."""
+        deadline = time.monotonic() + SETTLE_WAIT_S
+        while batch_ids and time.monotonic() < deadline:
+            time.sleep(SETTLE_POLL_S)
+            with unit_of_work() as session:
+                settled = sweeps.settled(session, batch_ids, status=BatchStatus.finalizing)
+            for batch_id in settled:
+                self._nudge(TaskName.finalize_batch, batch_id)
+            batch_ids = [b for b in batch_ids if b not in settled]
 
     def retain(self, *, force: bool = False) -> retention.RetentionReport | None:
         """Apply retention when it is due (or now, with force)."""

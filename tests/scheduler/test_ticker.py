@@ -9,7 +9,9 @@ from datetime import timedelta
 
 import pytest
 from sqlalchemy import update
+from sqlalchemy.orm import Session
 
+from jobs import sweeps
 from jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
 from scheduler.leases import SqlLeaseStore
 from scheduler.ticker import Ticker
@@ -138,4 +140,76 @@ def test_an_expired_batch_is_finalized_on_the_tick_after_its_last_running_line_i
             .values(state=RequestState.succeeded, claim_token=None, finished_at=utcnow())
         )
     ticker.tick()
+    assert (TaskName.finalize_batch, (batch_id,)) in sent
+
+
+def test_a_batch_that_expires_while_a_line_is_recorded_is_finalized_in_the_same_tick(
+    scratch_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The expiry skips a line a drain holds locked while it records it; the drain commits
+    moments later, and the tick that expired the batch nudges its finalization then, not a tick
+    (a second) later: for a small batch that second was most of its finalization."""
+    import threading
+    import time
+
+    from sqlalchemy import select
+
+    from jobs.models import RequestState
+    from storage.db import get_engine
+
+    with unit_of_work() as s:
+        team = Team(name="ticker-settle")
+        s.add(team)
+        s.flush()
+        team_id = team.id
+    batch_id = _batch(team_id, BatchStatus.in_progress, expires_in_s=-1, lines=2)
+    with unit_of_work() as s:
+        s.execute(
+            update(BatchRequest)
+            .where(BatchRequest.batch_id == batch_id)
+            .values(state=RequestState.running, claim_token="drain-1", claimed_at=utcnow())
+        )
+    locked, expired = threading.Event(), threading.Event()
+
+    def drain_records_line_1() -> None:
+        with get_engine().begin() as conn:
+            conn.execute(
+                select(BatchRequest.line)
+                .where(BatchRequest.batch_id == batch_id, BatchRequest.line == 1)
+                .with_for_update()
+            )
+            locked.set()
+            expired.wait(10)  # the expiry has passed this line by
+            time.sleep(0.15)  # the drain's own work before it commits: the tick has looked by now
+            conn.execute(
+                update(BatchRequest)
+                .where(BatchRequest.batch_id == batch_id, BatchRequest.line == 1)
+                .values(state=RequestState.succeeded, claim_token=None, finished_at=utcnow())
+            )
+
+    drain = threading.Thread(target=drain_records_line_1)
+    drain.start()
+    assert locked.wait(10)
+    sent: list[tuple[TaskName, tuple[str, ...]]] = []
+
+    def enqueue(name: TaskName, /, *args: str) -> None:
+        sent.append((name, args))
+
+    original = sweeps.expire_overdue
+
+    def expire_then_release(session: Session) -> list[str]:
+        out = original(session)
+        session.commit()  # the expiry is seen; then the drain's record commits
+        expired.set()
+        return out
+
+    monkeypatch.setattr(sweeps, "expire_overdue", expire_then_release)
+    try:
+        Ticker(leases=SqlLeaseStore(), enqueue=enqueue, drains=0).tick()
+    finally:
+        expired.set()
+        drain.join()
+    with unit_of_work() as s:
+        states = s.execute(select(BatchRequest.line, BatchRequest.state).where(BatchRequest.batch_id == batch_id)).all()
+    assert sorted(states) == [(1, RequestState.succeeded), (2, RequestState.expired)]
     assert (TaskName.finalize_batch, (batch_id,)) in sent
