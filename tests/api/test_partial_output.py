@@ -43,8 +43,8 @@ def _answer(line: int, status: int = 200) -> Outcome:
     return Outcome(status_code=status, body=json.dumps(body).encode(), request_id=f"r-{line}", usage=Usage(3, 0, 2))
 
 
-def _running_batch(api: CheckedClient, team: Team) -> tuple[str, str]:
-    """A batch validated in-process, every line claimed by TOKEN: (wire id, id)."""
+def _validated_batch(api: CheckedClient, team: Team) -> tuple[str, str]:
+    """A batch validated in-process, its lines pending: (wire id, id)."""
     data = _input()
     f = upload(api, team, data=data)
     r = api.post(
@@ -59,6 +59,12 @@ def _running_batch(api: CheckedClient, team: Team) -> tuple[str, str]:
     )
     with unit_of_work() as session:
         assert apply_validation(session, batch_id=batch_id, result=result) == "in_progress"
+    return wire_id, batch_id
+
+
+def _running_batch(api: CheckedClient, team: Team) -> tuple[str, str]:
+    """A batch validated in-process, every line claimed by TOKEN: (wire id, id)."""
+    wire_id, batch_id = _validated_batch(api, team)
     with unit_of_work() as session:
         assert len(claim_requests(session, batch_id=batch_id, limit=LINES, claim_token=TOKEN)) == LINES
     return wire_id, batch_id
@@ -116,17 +122,7 @@ def test_lines_still_pending_are_no_errors_while_the_batch_runs(api: CheckedClie
     """A pending line of a running batch has not finished: `kind=errors` lists only what failed
     (it used to list every pending line as `batch_expired`). Once the batch is cancelled, its
     pending lines are the error file's `batch_cancelled` lines."""
-    data = _input()
-    f = upload(api, team, data=data)
-    wire_id = api.post(
-        "/v1/batches",
-        headers=team.headers,
-        json={"input_file_id": f["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"},
-    ).json()["id"]
-    batch_id = batch_id_in(wire_id)
-    result = validate_lines([data], endpoint="/v1/chat/completions", served_models=None, limits=Limits(100, 1 << 20, 10))
-    with unit_of_work() as session:
-        assert apply_validation(session, batch_id=batch_id, result=result) == "in_progress"
+    wire_id, batch_id = _validated_batch(api, team)
     with unit_of_work() as session:
         (claimed,) = claim_requests(session, batch_id=batch_id, limit=1, claim_token=TOKEN)
     _record(batch_id, (claimed.line, _answer(claimed.line, status=400)))
