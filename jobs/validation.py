@@ -331,16 +331,7 @@ def scan_lines(
             request = check_line(line, endpoint=endpoint, seen_ids=seen_ids, fail=fail, number=number)
             if request is None:
                 continue
-            custom_id, model, prompt, estimate, body, output = (
-                request.custom_id,
-                request.model,
-                request.prompt,
-                request.token_estimate,
-                request.body,
-                request.output_tokens,
-            )
-            samples = body.get("n")
-            n = samples if type(samples) is int else 1
+            custom_id, model, prompt, estimate, body, output, n = request.values()
         if model not in models:
             models[model] = number
         token_estimate += estimate

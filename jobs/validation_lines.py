@@ -133,6 +133,19 @@ class CheckedRequest:
     body: dict[str, Any]  # for prompt fingerprints that need the messages, not only their text
     output_tokens: int  # the most it may generate, all n completions together
 
+    def values(self) -> FastRequest:
+        """What `line_checker` gives for the same line."""
+        n = self.body.get("n")
+        return (
+            self.custom_id,
+            self.model,
+            self.prompt,
+            self.token_estimate,
+            self.body,
+            self.output_tokens,
+            n if type(n) is int else 1,
+        )
+
 
 # What `line_checker` gives for a line it confirmed valid: custom_id, model, prompt (as
 # prompt_text renders it), token estimate, body, output tokens (max_output_tokens, 0 for

@@ -178,17 +178,7 @@ def full_path(line: bytes, endpoint: str, seen: SeenIds, number: int) -> tuple[A
     request = check_line(line, endpoint=endpoint, seen_ids=seen, fail=lambda *e: errors.append(e), number=number)
     if request is None:
         return None, errors
-    n = request.body.get("n")
-    values = (
-        request.custom_id,
-        request.model,
-        request.prompt,
-        request.token_estimate,
-        request.body,
-        request.output_tokens,
-        n if type(n) is int else 1,
-    )
-    return values, errors
+    return request.values(), errors
 
 
 def seen_with(ids: list[str]) -> SeenIds:
