@@ -21,7 +21,7 @@ from typing import Any
 from prometheus_client import Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from storage.metrics import counter, histogram
+from backfill.storage.metrics import counter, histogram
 
 log = logging.getLogger("backfill.access")
 

@@ -13,14 +13,14 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from sqlalchemy.exc import IntegrityError
 
-from api.access_log import AccessLog
-from api.errors import install_error_handlers
-from api.limits import BodyLimit, UploadGate
-from api.ratelimit import RateLimit
-from api.routes import admin, batches, dashboard, files, forecast, models, ops, partial, usage, webhooks
-from jobs.teams import ensure_key
-from storage.db import unit_of_work
-from storage.settings import get_settings
+from backfill.api.access_log import AccessLog
+from backfill.api.errors import install_error_handlers
+from backfill.api.limits import BodyLimit, UploadGate
+from backfill.api.ratelimit import RateLimit
+from backfill.api.routes import admin, batches, dashboard, files, forecast, models, ops, partial, usage, webhooks
+from backfill.jobs.teams import ensure_key
+from backfill.storage.db import unit_of_work
+from backfill.storage.settings import get_settings
 
 
 def install_configured_keys(tries: int = 3) -> None:

@@ -8,10 +8,10 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
-from jobs.errors import Forbidden
-from jobs.teams import Principal, authenticate
-from storage.db import unit_of_work
-from storage.objects import ObjectStore, get_object_store
+from backfill.jobs.errors import Forbidden
+from backfill.jobs.teams import Principal, authenticate
+from backfill.storage.db import unit_of_work
+from backfill.storage.objects import ObjectStore, get_object_store
 
 
 def db_session() -> Iterator[Session]:

@@ -10,9 +10,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from api.protocol import ErrorInfo, ErrorResponse
-from jobs.catalog import FleetUnavailable
-from jobs.errors import Conflict, DomainError, Forbidden, InvalidRequest, NotFound, TooLarge, Unauthorized
+from backfill.api.protocol import ErrorInfo, ErrorResponse
+from backfill.jobs.catalog import FleetUnavailable
+from backfill.jobs.errors import Conflict, DomainError, Forbidden, InvalidRequest, NotFound, TooLarge, Unauthorized
 
 log = logging.getLogger("backfill.api")
 

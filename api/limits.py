@@ -15,8 +15,8 @@ from __future__ import annotations
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from jobs.teams import hash_key
-from storage.settings import get_settings
+from backfill.jobs.teams import hash_key
+from backfill.storage.settings import get_settings
 
 MAX_JSON_BODY = 1024 * 1024
 UPLOAD_PATH = "/v1/files"

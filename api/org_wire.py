@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from api import protocol
-from api.wire import ts
-from jobs.billing import CURRENCY, MICROS_PER_UNIT, format_micros
-from jobs.billing_models import Price, Quota
-from jobs.errors import InvalidRequest, NotFound
-from jobs.models import ApiKey, Team
+from backfill.api import protocol
+from backfill.api.wire import ts
+from backfill.jobs.billing import CURRENCY, MICROS_PER_UNIT, format_micros
+from backfill.jobs.billing_models import Price, Quota
+from backfill.jobs.errors import InvalidRequest, NotFound
+from backfill.jobs.models import ApiKey, Team
 
 PROJECT_PREFIX = "proj_"
 KEY_PREFIX = "key_"

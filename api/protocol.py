@@ -16,7 +16,7 @@ from typing import Generic, Literal, Self, TypeVar
 
 from pydantic import BaseModel
 
-from jobs.models import BatchStatus
+from backfill.jobs.models import BatchStatus
 
 # What a file's purpose can be on the wire: OpenAI's list, plus "evals", which OpenAI accepts at
 # upload (CreateFileRequest) though its File object schema leaves it out.

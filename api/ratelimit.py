@@ -31,8 +31,8 @@ from limits.errors import StorageError
 from limits.storage import storage_from_string
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.limits import bearer_key_digest, send_error
-from storage.settings import get_settings
+from backfill.api.limits import bearer_key_digest, send_error
+from backfill.storage.settings import get_settings
 
 log = logging.getLogger("backfill.api.ratelimit")
 

@@ -34,10 +34,10 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from api.limits import MAX_FORM_FIELD_BYTES, MAX_FORM_FIELDS, MAX_PART_HEADER_BYTES, max_concurrent_uploads
-from jobs import files as file_service
-from jobs.errors import InvalidRequest
-from storage.settings import get_settings
+from backfill.api.limits import MAX_FORM_FIELD_BYTES, MAX_FORM_FIELDS, MAX_PART_HEADER_BYTES, max_concurrent_uploads
+from backfill.jobs import files as file_service
+from backfill.jobs.errors import InvalidRequest
+from backfill.storage.settings import get_settings
 
 if TYPE_CHECKING:
     from python_multipart.multipart import MultipartCallbacks

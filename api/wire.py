@@ -5,9 +5,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import overload
 
-from api import protocol
-from jobs.errors import NotFound
-from jobs.models import Batch, File
+from backfill.api import protocol
+from backfill.jobs.errors import NotFound
+from backfill.jobs.models import Batch, File
 
 FILE_PREFIX = "file-"
 BATCH_PREFIX = "batch_"

@@ -20,8 +20,8 @@ import typer
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
-    from jobs.billing_models import Price, Quota
-    from jobs.models import ApiKey, Team
+    from backfill.jobs.billing_models import Price, Quota
+    from backfill.jobs.models import ApiKey, Team
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -39,8 +39,8 @@ TeamArg = Annotated[str, typer.Argument(help="Team name or id.")]
 
 @contextmanager
 def _session() -> Iterator[Session]:
-    from storage.db import unit_of_work
-    from storage.settings import get_settings
+    from backfill.storage.db import unit_of_work
+    from backfill.storage.settings import get_settings
 
     if get_settings().embedded:
         from backfill.migrate import upgrade
@@ -55,7 +55,7 @@ def _domain_errors(command: Callable[P, R]) -> Callable[P, R]:
 
     @wraps(command)
     def run(*args: P.args, **kwargs: P.kwargs) -> R:
-        from jobs.errors import DomainError
+        from backfill.jobs.errors import DomainError
 
         try:
             return command(*args, **kwargs)
@@ -88,7 +88,7 @@ def _emit(
 
 
 def _team(session: Session, ref: str) -> Team:
-    from jobs.teams import find_team
+    from backfill.jobs.teams import find_team
 
     return find_team(session, name_or_id=ref.removeprefix("proj_"))
 
@@ -114,7 +114,7 @@ def _key_row(key: ApiKey, team_names: dict[str, str], raw: str | None = None) ->
 
 
 def _price_row(price: Price) -> dict[str, Any]:
-    from jobs.billing import format_micros
+    from backfill.jobs.billing import format_micros
 
     return {
         "version": price.id,
@@ -142,7 +142,7 @@ def _quota_row(quota: Quota, team_names: dict[str, str]) -> dict[str, Any]:
 
 
 def _team_names(session: Session) -> dict[str, str]:
-    from jobs.teams import list_teams
+    from backfill.jobs.teams import list_teams
 
     return {t.id: t.name for t in list_teams(session)}
 
@@ -161,7 +161,7 @@ def teams_create(
     as_json: JsonOption = False,
 ) -> None:
     """Create a team."""
-    from jobs.teams import create_team
+    from backfill.jobs.teams import create_team
 
     with _session() as session:
         row = _team_row(create_team(session, name=name, weight=weight))
@@ -172,7 +172,7 @@ def teams_create(
 @_domain_errors
 def teams_list(as_json: JsonOption = False) -> None:
     """List teams."""
-    from jobs.teams import list_teams
+    from backfill.jobs.teams import list_teams
 
     with _session() as session:
         rows = [_team_row(t) for t in list_teams(session)]
@@ -188,7 +188,7 @@ def keys_create(
     as_json: JsonOption = False,
 ) -> None:
     """Create an API key and print it: this is the only time it is shown."""
-    from jobs.teams import create_key
+    from backfill.jobs.teams import create_key
 
     with _session() as session:
         owner = _team(session, team)
@@ -208,7 +208,7 @@ def keys_list(
     as_json: JsonOption = False,
 ) -> None:
     """List keys (prefixes only; a key itself is never stored)."""
-    from jobs.teams import list_keys
+    from backfill.jobs.teams import list_keys
 
     with _session() as session:
         team_id = _team(session, team).id if team else None
@@ -224,7 +224,7 @@ def keys_revoke(
     as_json: JsonOption = False,
 ) -> None:
     """Revoke a key: it answers 401 from its next request on."""
-    from jobs.teams import revoke_key
+    from backfill.jobs.teams import revoke_key
 
     with _session() as session:
         row = _key_row(revoke_key(session, key_id_or_prefix=key.removeprefix("key_")), _team_names(session))
@@ -245,8 +245,8 @@ def prices_set(
     as_json: JsonOption = False,
 ) -> None:
     """Add a price version; batches created from now on are billed at it."""
-    from jobs import billing
-    from storage.settings import parse_duration
+    from backfill.jobs import billing
+    from backfill.storage.settings import parse_duration
 
     if window is not None:
         try:
@@ -274,7 +274,7 @@ def prices_list(
     as_json: JsonOption = False,
 ) -> None:
     """List every price version."""
-    from jobs.billing import list_prices
+    from backfill.jobs.billing import list_prices
 
     with _session() as session:
         rows = [_price_row(p) for p in list_prices(session, model=model)]
@@ -291,7 +291,7 @@ def quotas_set(
     as_json: JsonOption = False,
 ) -> None:
     """Set (or replace) a team's caps for one model; an omitted cap means none."""
-    from jobs.quotas import set_quota
+    from backfill.jobs.quotas import set_quota
 
     with _session() as session:
         owner = _team(session, team)
@@ -313,7 +313,7 @@ def quotas_list(
     as_json: JsonOption = False,
 ) -> None:
     """List quotas."""
-    from jobs.quotas import list_quotas
+    from backfill.jobs.quotas import list_quotas
 
     with _session() as session:
         team_id = _team(session, team).id if team else None
@@ -343,9 +343,9 @@ def usage(
     as_json: JsonOption = False,
 ) -> None:
     """Usage and cost per day (UTC), team and model, from the usage ledger."""
-    from jobs.billing import CURRENCY, format_micros
-    from jobs.models import utcnow
-    from jobs.usage import BUCKET_WIDTHS, align, usage_totals
+    from backfill.jobs.billing import CURRENCY, format_micros
+    from backfill.jobs.models import utcnow
+    from backfill.jobs.usage import BUCKET_WIDTHS, align, usage_totals
 
     day = BUCKET_WIDTHS["1d"]
     today = align(utcnow(), day)

@@ -18,8 +18,8 @@ from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
-from jobs import validation
-from storage.settings import Settings
+from backfill.jobs import validation
+from backfill.storage.settings import Settings
 
 if TYPE_CHECKING:
     import openai
@@ -131,7 +131,7 @@ def _extension(client: openai.OpenAI, path: str, params: dict[str, str | int]) -
 def add_cost(estimate: Estimate, client: openai.OpenAI, *, window: str) -> None:
     """Price the estimate at the price a batch created now would be billed at (`GET /batch_price`,
     readable with any key), with the server's own arithmetic (`jobs.billing.price_request`)."""
-    from jobs import billing
+    from backfill.jobs import billing
 
     if estimate.model is None:
         estimate.cost_note = "no model to price"
@@ -158,7 +158,7 @@ def add_forecast(estimate: Estimate, client: openai.OpenAI) -> None:
     """Forecast completion at the fleet's recent batch throughput (`GET /batch_throughput`, for
     the file's model when it has one): now + (the tokens queued ahead + this file's) / the tokens
     per second batch work got while it ran."""
-    from jobs.forecast import completion_forecast
+    from backfill.jobs.forecast import completion_forecast
 
     params: dict[str, str | int] = {"model": estimate.model} if estimate.model else {}
     throughput, why = _extension(client, "/batch_throughput", params)

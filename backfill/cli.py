@@ -51,7 +51,7 @@ def api(
     _logging()
     # A factory: each worker process builds its own app; start-up runs in the app's lifespan.
     uvicorn.run(
-        "api.app:create_app",
+        "backfill.api.app:create_app",
         factory=True,
         lifespan="on",
         host=host,
@@ -67,9 +67,9 @@ def worker(
     concurrency: Annotated[int, typer.Option(help="Worker processes (drains + validation + finalization).")] = 0,
 ) -> None:
     """Run a Celery worker: validation, drains onto the fleet, finalization."""
-    import scheduler.tasks  # noqa: F401  (registers the task bodies on the broker's app)
-    from storage.broker import QueueName, celery_app
-    from storage.settings import get_settings
+    import backfill.scheduler.tasks  # noqa: F401  (registers the task bodies on the broker's app)
+    from backfill.storage.broker import QueueName, celery_app
+    from backfill.storage.settings import get_settings
 
     _logging()  # backfill's own loggers (validation, finalization, drains): Celery leaves the root logger alone
     n = concurrency or get_settings().drains + 2
@@ -90,11 +90,11 @@ def worker(
 def scheduler() -> None:
     """Run the scheduler loop (expiry, cancellation, reclaim, finalization, drains) and, with
     BACKFILL_CAPACITY_CONTROL on, the capacity controller that publishes the lease limit."""
-    from jobs.retention import RetentionPolicy
-    from scheduler.leases import get_lease_store
-    from scheduler.ticker import Ticker
-    from storage.broker import send_task
-    from storage.settings import get_settings
+    from backfill.jobs.retention import RetentionPolicy
+    from backfill.scheduler.leases import get_lease_store
+    from backfill.scheduler.ticker import Ticker
+    from backfill.storage.broker import send_task
+    from backfill.storage.settings import get_settings
 
     _logging()
     s = get_settings()
@@ -114,7 +114,7 @@ def scheduler() -> None:
     control_stop = threading.Event()
     control: threading.Thread | None = None
     if s.capacity_controlled:
-        from scheduler.runtime import make_capacity_loop
+        from backfill.scheduler.runtime import make_capacity_loop
 
         loop = make_capacity_loop(s)
         control = threading.Thread(target=loop.run, args=(control_stop,), name="capacity", daemon=True)

@@ -7,9 +7,9 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 
-import migrations
+import backfill.migrations
 
-SCRIPT_LOCATION = Path(migrations.__file__).parent
+SCRIPT_LOCATION = Path(backfill.migrations.__file__).parent
 
 
 def alembic_config() -> Config:

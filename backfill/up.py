@@ -47,7 +47,7 @@ def _fleet_install_outside_cwd(home: Path, env: dict[str, str]) -> None:
     installed copy would put them in the working directory, so there they go under the home."""
     if "BACKFILL_FLEET_HOME" in os.environ:
         return
-    from devfleet import install
+    from backfill.devfleet import install
 
     package_root = Path(install.__file__).resolve().parent.parent
     if not ((package_root / "pyproject.toml").exists() or (package_root / ".git").exists()):
@@ -55,8 +55,8 @@ def _fleet_install_outside_cwd(home: Path, env: dict[str, str]) -> None:
 
 
 def _start_fleet(home: Path, *, workers: int, speedup: float) -> Any:
-    from devfleet.fleet import Fleet
-    from devfleet.reaper import PIDS_FILE, reap_stale_fleets
+    from backfill.devfleet.fleet import Fleet
+    from backfill.devfleet.reaper import PIDS_FILE, reap_stale_fleets
 
     run_dir = home / "fleet"
     reap_stale_fleets(home)  # a fleet whose `up` was killed: its processes go first
@@ -156,8 +156,8 @@ def _watch(procs: dict[str, subprocess.Popen[bytes]], logs: Path) -> None:
     """Print batch events until a component exits (then say which, and why, from its log)."""
     from sqlalchemy.exc import SQLAlchemyError
 
+    from backfill.storage.db import unit_of_work
     from backfill.up_status import BatchEvents
-    from storage.db import unit_of_work
 
     events = BatchEvents()
     warned = False
@@ -176,8 +176,8 @@ def _watch(procs: dict[str, subprocess.Popen[bytes]], logs: Path) -> None:
 
 
 def run_up(*, port: int, fleet_workers: int, speedup: float) -> None:
-    from storage.metrics import clear_metrics_dir, metrics_dir
-    from storage.settings import get_settings
+    from backfill.storage.metrics import clear_metrics_dir, metrics_dir
+    from backfill.storage.settings import get_settings
 
     def _interrupt(*_: object) -> None:
         raise KeyboardInterrupt

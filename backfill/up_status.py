@@ -14,8 +14,8 @@ from datetime import datetime, timedelta
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
-from api.wire import batch_id_out
-from jobs.models import TERMINAL_STATUSES, Batch, BatchStatus, Team, utcnow
+from backfill.api.wire import batch_id_out
+from backfill.jobs.models import TERMINAL_STATUSES, Batch, BatchStatus, Team, utcnow
 
 RECENT = timedelta(seconds=10)  # overlap between polls, for a batch created and finished in between
 MAX_ERROR_CHARS = 120

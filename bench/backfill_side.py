@@ -19,14 +19,14 @@ from typing import Any
 
 import orjson
 
-from scheduler.admission import POOL, Observation
-from scheduler.capacity import Decision
-from scheduler.dispatcher import Dispatcher
-from scheduler.fleet import FleetClient
-from scheduler.leases import get_lease_store
-from scheduler.runtime import get_admission, make_capacity_loop, make_planner
-from storage.objects import get_object_store
-from storage.settings import get_settings
+from backfill.scheduler.admission import POOL, Observation
+from backfill.scheduler.capacity import Decision
+from backfill.scheduler.dispatcher import Dispatcher
+from backfill.scheduler.fleet import FleetClient
+from backfill.scheduler.leases import get_lease_store
+from backfill.scheduler.runtime import get_admission, make_capacity_loop, make_planner
+from backfill.storage.objects import get_object_store
+from backfill.storage.settings import get_settings
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -89,9 +89,9 @@ def main() -> None:
     ap.add_argument("--speedup", type=float, default=10.0, help="mocker speedup ratio (simulated time per wall second)")
     args = ap.parse_args()
 
-    from devfleet.fleet import Fleet
-    from devfleet.processes import free_port
-    from devfleet.s3 import SeaweedS3
+    from backfill.devfleet.fleet import Fleet
+    from backfill.devfleet.processes import free_port
+    from backfill.devfleet.s3 import SeaweedS3
     from tests.stack import Stack, create_database, drop_database, service_env
 
     lines = make_lines(args.requests, args.max_tokens)

@@ -38,7 +38,7 @@ from typing import Any
 
 import orjson
 
-from storage.objects import CHUNK, S3ObjectStore
+from backfill.storage.objects import CHUNK, S3ObjectStore
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 MB = 1024 * 1024
@@ -164,7 +164,7 @@ def _make_batch(engine: Any, n_lines: int, shape: str, ran: int) -> tuple[str, s
     """(batch id, team id, the status finalization starts from) of a fresh batch in `shape`."""
     from sqlalchemy.orm import Session
 
-    from jobs.models import Batch, BatchStatus, Team, utcnow
+    from backfill.jobs.models import Batch, BatchStatus, Team, utcnow
 
     expired = shape == "expired"
     ran = min(ran, n_lines) if expired else n_lines
@@ -206,7 +206,7 @@ def _reset(engine: Any, store: S3ObjectStore, batch_id: str, team_id: str, statu
     from sqlalchemy import update
     from sqlalchemy.orm import Session
 
-    from jobs.models import Batch
+    from backfill.jobs.models import Batch
 
     with Session(engine) as s, s.begin():
         s.execute(
@@ -221,7 +221,7 @@ def _finalize_once(module: Any, engine: Any, store: S3ObjectStore, batch: tuple[
     (each file's digest and the batch's counters), for comparing the two revisions."""
     from sqlalchemy.orm import Session, sessionmaker
 
-    from jobs.models import Batch, BatchStatus
+    from backfill.jobs.models import Batch, BatchStatus
 
     batch_id, team_id, status = batch
     _reset(engine, store, batch_id, team_id, status)
@@ -249,8 +249,8 @@ def bench_finalize(store: S3ObjectStore, n_lines: int, *, shape: str, ran: int, 
     """`finalize_batch` of one fresh Postgres batch, `repeat` times for git revision `before`'s
     jobs/output.py and for the working tree's, interleaved (the order swapped every round, so a
     slow stretch of the shared machine falls on both); each run checked to write the same."""
-    import jobs.output as after
-    from storage.db import make_engine
+    import backfill.jobs.output as after
+    from backfill.storage.db import make_engine
     from tests.stack import create_database, drop_database
 
     name = f"backfill_bench_{secrets.token_hex(4)}"
@@ -317,7 +317,7 @@ def main() -> None:
     parser.add_argument("--before", default="HEAD", help="git revision of jobs/output.py to compare with")
     args = parser.parse_args()
 
-    from devfleet.s3 import SeaweedS3
+    from backfill.devfleet.s3 import SeaweedS3
 
     with SeaweedS3() as s3:
         s3.create_bucket(BUCKET)

@@ -116,11 +116,11 @@ def prepare_batch(salt: str, n: int) -> str:
     """A batch of n lines through the same service functions the API and validation task use."""
     import orjson
 
+    from backfill.jobs import batches, files, teams, validation
+    from backfill.jobs.models import new_id
+    from backfill.storage.db import unit_of_work
+    from backfill.storage.objects import get_object_store
     from bench.loadgen import batch_body
-    from jobs import batches, files, teams, validation
-    from jobs.models import new_id
-    from storage.db import unit_of_work
-    from storage.objects import get_object_store
 
     store = get_object_store()
     data = b"".join(
@@ -173,8 +173,8 @@ def prepare_batch(salt: str, n: int) -> str:
 
 
 def retire_batch(batch_id: str) -> None:
-    from jobs import batches
-    from storage.db import unit_of_work
+    from backfill.jobs import batches
+    from backfill.storage.db import unit_of_work
 
     with unit_of_work() as s:
         batches.cancel_batch(s, team_id=None, batch_id=batch_id)
@@ -194,7 +194,7 @@ class Sampler(threading.Thread):
 
     def __init__(self, endpoints: list[Any], until: float) -> None:
         super().__init__(daemon=True)
-        from scheduler.telemetry import FleetTelemetry
+        from backfill.scheduler.telemetry import FleetTelemetry
 
         self.tel = FleetTelemetry(endpoints)
         self.until = until
@@ -228,7 +228,7 @@ def run_one(
     concurrency: int | None = None,
 ) -> dict[str, Any]:
     """Replays the trace beside one batch load; returns the raw records of both sides."""
-    from scheduler.telemetry import Endpoint
+    from backfill.scheduler.telemetry import Endpoint
 
     salt = f"{name}{secrets.token_hex(2)}"
     duration = float(spec["duration_s"])
@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     os.environ.update({k: v for k, v in env.items() if k.startswith("BACKFILL_")})
 
-    from devfleet.fleet import Fleet
+    from backfill.devfleet.fleet import Fleet
 
     fleet = Fleet(
         num_workers=2,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psycopg
 
-from jobs.validation import Limits, RequestIndex, _row_columns, copy_text, validate_lines
+from backfill.jobs.validation import Limits, RequestIndex, _row_columns, copy_text, validate_lines
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 CHAT = "/v1/chat/completions"

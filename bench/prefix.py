@@ -62,8 +62,8 @@ KV_BYTES_PER_TOKEN = 2048
 def kv_budget_tokens() -> int:
     """The KV tokens batch work may fill: the controller's KV model of one decoder, times the
     decoders, times the share of the cache it leaves to batch work."""
-    from scheduler.capacity import ControlConfig, Slo
-    from scheduler.telemetry import KvModel
+    from backfill.scheduler.capacity import ControlConfig, Slo
+    from backfill.scheduler.telemetry import KvModel
 
     kv = KvModel(bytes_per_token=KV_BYTES_PER_TOKEN, budget_bytes=BLOCKS_PER_WORKER * BLOCK * KV_BYTES_PER_TOKEN)
     return int(kv.tokens(0) * WORKERS * ControlConfig(slo=Slo(ttft_s=1.0, itl_s=0.05)).kv_batch_share)
@@ -74,11 +74,11 @@ def prepare_batch(work: Workload, salt: str, model_dir: Path) -> str:
     model's tokenizer for fingerprints)."""
     import orjson
 
-    from jobs import batches, files, teams, validation
-    from jobs.models import new_id
-    from jobs.prefixes import tokenizer_blocks
-    from storage.db import unit_of_work
-    from storage.objects import get_object_store
+    from backfill.jobs import batches, files, teams, validation
+    from backfill.jobs.models import new_id
+    from backfill.jobs.prefixes import tokenizer_blocks
+    from backfill.storage.db import unit_of_work
+    from backfill.storage.objects import get_object_store
 
     order = list(range(len(work.bodies)))
     random.Random(salt).shuffle(order)
@@ -132,8 +132,8 @@ def release_in_line_order(batch_id: str) -> None:
     """The random baseline: the shuffled file in line order, no prefix groups, no waiting."""
     from sqlalchemy import update
 
-    from jobs.models import BatchRequest
-    from storage.db import unit_of_work
+    from backfill.jobs.models import BatchRequest
+    from backfill.storage.db import unit_of_work
 
     with unit_of_work() as s:
         s.execute(
@@ -146,8 +146,8 @@ def release_in_line_order(batch_id: str) -> None:
 def batch_figures(batch_id: str) -> dict[str, Any]:
     from sqlalchemy import func, select, update
 
-    from jobs.models import BatchRequest, RequestState
-    from storage.db import unit_of_work
+    from backfill.jobs.models import BatchRequest, RequestState
+    from backfill.storage.db import unit_of_work
 
     with unit_of_work() as s:
         prompt, cached, last = s.execute(
@@ -257,8 +257,8 @@ def main(argv: list[str] | None = None) -> None:
     if redis.Redis.from_url(REDIS_URL).dbsize():
         raise SystemExit(f"{REDIS_URL} is in use (each run flushes it): set PREFIX_REDIS_URL to an empty database")
 
-    from devfleet import install, model
-    from devfleet.fleet import Fleet
+    from backfill.devfleet import install, model
+    from backfill.devfleet.fleet import Fleet
 
     model_dir = Path(model.build_tiny_model(install.default_model_dir(MODEL), name=MODEL))
     tokens = Tokens(model_dir)

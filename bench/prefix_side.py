@@ -15,14 +15,14 @@ import time
 import orjson
 from sqlalchemy import func, select
 
-from jobs.models import BatchRequest, RequestState
-from scheduler.dispatcher import DRAIN_POOL, Dispatcher
-from scheduler.fleet import FleetClient
-from scheduler.leases import get_lease_store
-from scheduler.runtime import get_admission, make_planner
-from storage.db import unit_of_work
-from storage.objects import get_object_store
-from storage.settings import get_settings
+from backfill.jobs.models import BatchRequest, RequestState
+from backfill.scheduler.dispatcher import DRAIN_POOL, Dispatcher
+from backfill.scheduler.fleet import FleetClient
+from backfill.scheduler.leases import get_lease_store
+from backfill.scheduler.runtime import get_admission, make_planner
+from backfill.storage.db import unit_of_work
+from backfill.storage.objects import get_object_store
+from backfill.storage.settings import get_settings
 
 
 def unfinished(batch_id: str) -> int:

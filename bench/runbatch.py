@@ -91,7 +91,7 @@ def compare(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[st
 def run_vllm_batch(
     python: Path, engine_args: list[str], lines: list[dict[str, Any]], workdir: Path
 ) -> tuple[float, list[dict[str, Any]]]:
-    from devfleet.vllm import RUN_BATCH_MODULE, server_env
+    from backfill.devfleet.vllm import RUN_BATCH_MODULE, server_env
 
     src, dst = workdir / "in.jsonl", workdir / "out.jsonl"
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -139,9 +139,9 @@ def main() -> None:
 
     import redis
 
-    from devfleet.processes import free_port
-    from devfleet.s3 import SeaweedS3
-    from devfleet.vllm import MODEL_NAME, VllmServer, build_vllm_model, ensure_vllm_venv
+    from backfill.devfleet.processes import free_port
+    from backfill.devfleet.s3 import SeaweedS3
+    from backfill.devfleet.vllm import MODEL_NAME, VllmServer, build_vllm_model, ensure_vllm_venv
     from tests.stack import Stack, create_database, drop_database, service_env
 
     python = ensure_vllm_venv()

@@ -213,9 +213,9 @@ def main() -> None:
 
     import redis
 
-    from devfleet.fleet import Fleet
-    from devfleet.processes import free_port
-    from devfleet.s3 import SeaweedS3
+    from backfill.devfleet.fleet import Fleet
+    from backfill.devfleet.processes import free_port
+    from backfill.devfleet.s3 import SeaweedS3
     from tests.stack import Stack, create_database, drop_database, service_env
 
     redis.Redis.from_url(REDIS_URL).flushdb()

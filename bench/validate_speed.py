@@ -197,7 +197,7 @@ def main() -> None:
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT))
-    from jobs import validation as after
+    from backfill.jobs import validation as after
 
     modules = {"before": load_revision(args.before), "after": after}
     for shape in SHAPES if args.line_shape == "all" else (args.line_shape,):

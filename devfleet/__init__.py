@@ -6,7 +6,7 @@
 * `build_tiny_model`: the tokenizer/config directory the mocker serves.
 * `ensure_dynamo_venv` / `ensure_seaweedfs`: install/locate the binaries.
 
-CLI: `python -m devfleet install | up | s3` (see `python -m devfleet -h`).
+CLI: `python -m backfill.devfleet install | up | s3` (see `python -m backfill.devfleet -h`).
 """
 
 from .fleet import Fleet, FleetStartError, WorkerMetrics

@@ -1,4 +1,4 @@
-"""`python -m devfleet install | up | s3`: run the simulated fleet by hand."""
+"""`python -m backfill.devfleet install | up | s3`: run the simulated fleet by hand."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def _cmd_s3(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m devfleet",
+        prog="python -m backfill.devfleet",
         description="Simulated inference fleet (Dynamo frontend + mocker workers) and local S3. "
         "State lives in $BACKFILL_FLEET_HOME or .fleet/ at the repository root.",
     )

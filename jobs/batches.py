@@ -8,10 +8,10 @@ from typing import Any
 from sqlalchemy import select, tuple_, update
 from sqlalchemy.orm import Session
 
-from jobs.billing import current_price_version
-from jobs.errors import Conflict, InvalidRequest, NotFound
-from jobs.files import get_file, validate_expiry
-from jobs.models import Batch, BatchStatus, utcnow
+from backfill.jobs.billing import current_price_version
+from backfill.jobs.errors import Conflict, InvalidRequest, NotFound
+from backfill.jobs.files import get_file, validate_expiry
+from backfill.jobs.models import Batch, BatchStatus, utcnow
 
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512

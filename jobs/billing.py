@@ -23,11 +23,11 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from jobs.billing_models import Price, UsageLedgerEntry
-from jobs.errors import InvalidRequest
-from jobs.metrics import count_usage_on_commit
-from jobs.models import Batch, utcnow
-from jobs.replies import Outcome, Usage
+from backfill.jobs.billing_models import Price, UsageLedgerEntry
+from backfill.jobs.errors import InvalidRequest
+from backfill.jobs.metrics import count_usage_on_commit
+from backfill.jobs.models import Batch, utcnow
+from backfill.jobs.replies import Outcome, Usage
 
 log = logging.getLogger("backfill.billing")
 

@@ -11,8 +11,8 @@ from datetime import datetime
 from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
-from jobs.models import UtcDateTime, utcnow
-from storage.db import Base
+from backfill.jobs.models import UtcDateTime, utcnow
+from backfill.storage.db import Base
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY; Postgres gets a 64-bit identity.
 _BigId = BigInteger().with_variant(Integer(), "sqlite")

@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 
-from storage.settings import get_settings
+from backfill.storage.settings import get_settings
 
 
 class FleetUnavailable(Exception):

@@ -14,9 +14,9 @@ from typing import Any
 from sqlalchemy import Select, or_, select, update
 from sqlalchemy.orm import Session, aliased
 
-from jobs.files import file_key
-from jobs.models import SERVED_LINES, Batch, BatchRequest, BatchStatus, RequestState, utcnow
-from jobs.prefixes import PREFIX_WARM_S
+from backfill.jobs.files import file_key
+from backfill.jobs.models import SERVED_LINES, Batch, BatchRequest, BatchStatus, RequestState, utcnow
+from backfill.jobs.prefixes import PREFIX_WARM_S
 
 HOT_PREFIXES = 32  # shared prefixes in flight that another batch's claim looks for first
 SCAN_LINES = 4096  # pending lines of a batch, in tree order, a claim looks through

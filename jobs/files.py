@@ -10,9 +10,9 @@ from datetime import timedelta
 from sqlalchemy import String, select, tuple_
 from sqlalchemy.orm import Session
 
-from jobs.errors import InvalidRequest, NotFound, TooLarge
-from jobs.models import TERMINAL_STATUSES, Batch, File, utcnow
-from storage.objects import ObjectStore, ObjectTooLarge
+from backfill.jobs.errors import InvalidRequest, NotFound, TooLarge
+from backfill.jobs.models import TERMINAL_STATUSES, Batch, File, utcnow
+from backfill.storage.objects import ObjectStore, ObjectTooLarge
 
 UPLOAD_PURPOSES = frozenset({"batch", "assistants", "fine-tune", "vision", "user_data", "evals"})
 MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 24 * 3600

@@ -15,10 +15,10 @@ from datetime import datetime, timedelta
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from jobs.billing import current_price_version, price_in_force
-from jobs.billing_models import Price, UsageLedgerEntry
-from jobs.models import Batch, BatchStatus, utcnow
-from jobs.usage import usage_totals
+from backfill.jobs.billing import current_price_version, price_in_force
+from backfill.jobs.billing_models import Price, UsageLedgerEntry
+from backfill.jobs.models import Batch, BatchStatus, utcnow
+from backfill.jobs.usage import usage_totals
 
 DEFAULT_WINDOW_S = 300  # throughput is measured over the last five minutes unless asked otherwise
 MIN_WINDOW_S, MAX_WINDOW_S = 10, 3600

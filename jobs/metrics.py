@@ -16,8 +16,8 @@ from prometheus_client import Counter
 from sqlalchemy import event, func, select
 from sqlalchemy.orm import Session
 
-from jobs.models import TERMINAL_STATUSES, Batch, BatchRequest, BatchStatus, RequestState, Team
-from storage.metrics import counter
+from backfill.jobs.models import TERMINAL_STATUSES, Batch, BatchRequest, BatchStatus, RequestState, Team
+from backfill.storage.metrics import counter
 
 # OpenAI's usage fields: input counts cached input too; output counts reasoning too.
 TOKEN_KINDS = ("input", "cached_input", "output")

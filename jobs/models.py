@@ -29,7 +29,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Mapped, mapped_column
 
-from storage.db import Base
+from backfill.storage.db import Base
 
 _ALPHABET = string.ascii_letters + string.digits
 

@@ -34,10 +34,10 @@ import orjson
 from sqlalchemy import Connection, Engine, Exists, bindparam, case, exists, func, select, update
 from sqlalchemy.orm import Session
 
-from jobs.models import Batch, BatchRequest, BatchStatus, File, RequestState, utcnow
-from jobs.sweeps import has_running
-from jobs.webhooks import record_batch_event
-from storage.objects import ObjectStore
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, File, RequestState, utcnow
+from backfill.jobs.sweeps import has_running
+from backfill.jobs.webhooks import record_batch_event
+from backfill.storage.objects import ObjectStore
 
 log = logging.getLogger("backfill.finalization")
 

@@ -11,9 +11,9 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from jobs.billing_models import Quota
-from jobs.errors import InvalidRequest
-from jobs.models import Batch, BatchStatus, Team, utcnow
+from backfill.jobs.billing_models import Quota
+from backfill.jobs.errors import InvalidRequest
+from backfill.jobs.models import Batch, BatchStatus, Team, utcnow
 
 QUOTA_ERROR_CODE = "token_limit_exceeded"
 # Validated and not finished. Batches still validating have no model or estimate yet.

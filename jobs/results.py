@@ -14,9 +14,9 @@ import orjson
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from jobs.billing import record_usage
-from jobs.models import Batch, BatchRequest, RequestState, new_id, utcnow
-from jobs.replies import Outcome, Usage
+from backfill.jobs.billing import record_usage
+from backfill.jobs.models import Batch, BatchRequest, RequestState, new_id, utcnow
+from backfill.jobs.replies import Outcome, Usage
 
 ATTEMPTS_EXCEEDED = "max_attempts_exceeded"
 

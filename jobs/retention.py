@@ -18,8 +18,8 @@ from datetime import datetime, timedelta
 from sqlalchemy import and_, exists, or_, select, update
 from sqlalchemy.orm import Session
 
-from jobs.models import TERMINAL_STATUSES, Batch, BatchRequest, File, utcnow
-from storage.objects import ObjectStore
+from backfill.jobs.models import TERMINAL_STATUSES, Batch, BatchRequest, File, utcnow
+from backfill.storage.objects import ObjectStore
 
 OBJECT_PREFIXES = ("files/", "batches/")
 

@@ -14,8 +14,16 @@ from datetime import datetime
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from jobs.models import RUNNING_LINES, TERMINAL_STATUSES, Batch, BatchRequest, BatchStatus, RequestState, utcnow
-from jobs.results import attempts_exceeded, record_outcomes
+from backfill.jobs.models import (
+    RUNNING_LINES,
+    TERMINAL_STATUSES,
+    Batch,
+    BatchRequest,
+    BatchStatus,
+    RequestState,
+    utcnow,
+)
+from backfill.jobs.results import attempts_exceeded, record_outcomes
 
 
 def running_claim_tokens(session: Session) -> list[str]:

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from jobs.errors import Conflict, NotFound, Unauthorized
-from jobs.models import ApiKey, Team, utcnow
+from backfill.jobs.errors import Conflict, NotFound, Unauthorized
+from backfill.jobs.models import ApiKey, Team, utcnow
 
 KEY_PREFIX = "sk-bf-"
 

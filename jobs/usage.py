@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import BigInteger, ColumnElement, cast, func, literal_column, select
 from sqlalchemy.orm import Session
 
-from jobs.billing_models import UsageLedgerEntry
+from backfill.jobs.billing_models import UsageLedgerEntry
 
 BUCKET_WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)

@@ -25,9 +25,9 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 
-from jobs.catalog import FleetUnavailable
-from jobs.models import Batch, BatchRequest, BatchStatus, utcnow
-from jobs.prefixes import (
+from backfill.jobs.catalog import FleetUnavailable
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, utcnow
+from backfill.jobs.prefixes import (
     BLOCK_TOKENS,
     FINGERPRINT_BYTES,
     PrefixPlan,
@@ -36,8 +36,8 @@ from jobs.prefixes import (
     node_id,
     plan_prefix_order,
 )
-from jobs.quotas import quota_errors
-from jobs.validation_lines import (
+from backfill.jobs.quotas import quota_errors
+from backfill.jobs.validation_lines import (
     INT32_MAX,
     INT64_MAX,
     SeenIds,
@@ -49,7 +49,7 @@ from jobs.validation_lines import (
     prompt_text,
     quote,
 )
-from jobs.webhooks import record_batch_event
+from backfill.jobs.webhooks import record_batch_event
 
 # iter_lines, max_output_tokens and prompt_text are also read by the CLI's local estimate.
 UnitOfWork = Callable[[], AbstractContextManager[Session]]

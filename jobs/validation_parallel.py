@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
-from jobs.validation import (
+from backfill.jobs.validation import (
     Limits,
     LineScan,
     ValidationResult,
@@ -34,8 +34,8 @@ from jobs.validation import (
     too_many_requests_message,
     validate_lines,
 )
-from jobs.validation_lines import INT32_MAX, SeenIds, duplicate_id_message, iter_lines_bounded
-from storage.objects import ObjectStore
+from backfill.jobs.validation_lines import INT32_MAX, SeenIds, duplicate_id_message, iter_lines_bounded
+from backfill.storage.objects import ObjectStore
 
 log = logging.getLogger("backfill.validation")
 
@@ -241,7 +241,7 @@ def _duplicate(custom_id: str, line: int) -> dict[str, object]:
 
 if __name__ == "__main__":  # a scanner: see _start_scanner
     # Through the module's own name, so what is pickled names `jobs.validation_parallel`, not `__main__`.
-    from jobs import validation_parallel
+    from backfill.jobs import validation_parallel
 
     scan = validation_parallel.packed_scan_range(*pickle.load(sys.stdin.buffer))
     sys.stdout.buffer.write(pickle.dumps(scan, protocol=5))

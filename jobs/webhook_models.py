@@ -14,8 +14,8 @@ from typing import Any
 from sqlalchemy import JSON, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
-from jobs.models import UtcDateTime, new_id, utcnow
-from storage.db import Base
+from backfill.jobs.models import UtcDateTime, new_id, utcnow
+from backfill.storage.db import Base
 
 
 class DeliveryStatus(enum.StrEnum):

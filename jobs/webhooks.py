@@ -28,9 +28,9 @@ import orjson
 from sqlalchemy import select, tuple_, update
 from sqlalchemy.orm import Session
 
-from jobs.errors import InvalidRequest, NotFound
-from jobs.models import Batch, BatchStatus, utcnow
-from jobs.webhook_models import DeliveryStatus, WebhookDelivery, WebhookEndpoint, WebhookEvent
+from backfill.jobs.errors import InvalidRequest, NotFound
+from backfill.jobs.models import Batch, BatchStatus, utcnow
+from backfill.jobs.webhook_models import DeliveryStatus, WebhookDelivery, WebhookEndpoint, WebhookEvent
 
 # Keyed by the status's value: a BatchStatus is the str it stands for.
 EVENT_OF_STATUS: dict[str, str] = {

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from alembic import context
 
-import jobs.billing_models  # registers the billing tables
-import jobs.models  # noqa: F401 - registers the tables on Base.metadata
-from storage.db import Base, get_engine
+import backfill.jobs.billing_models  # registers the billing tables
+import backfill.jobs.models  # noqa: F401 - registers the tables on Base.metadata
+from backfill.storage.db import Base, get_engine
 
 target_metadata = Base.metadata
 

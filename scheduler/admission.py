@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.leases import LeaseStore
+from backfill.scheduler.leases import LeaseStore
 
 POOL = "fleet"
 LIMIT_KEY = "limit:fleet"

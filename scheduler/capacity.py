@@ -30,10 +30,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from scheduler.admission import RATE_KEY, ObservationLog, kv_key, limit_key, obs_key, pool_of, shed_key
-from scheduler.leases import LeaseStore
-from scheduler.metrics import record_decision
-from scheduler.telemetry import FleetSnapshot, FleetTelemetry, KvModel
+from backfill.scheduler.admission import RATE_KEY, ObservationLog, kv_key, limit_key, obs_key, pool_of, shed_key
+from backfill.scheduler.leases import LeaseStore
+from backfill.scheduler.metrics import record_decision
+from backfill.scheduler.telemetry import FleetSnapshot, FleetTelemetry, KvModel
 
 log = logging.getLogger("backfill.capacity")
 

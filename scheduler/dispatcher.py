@@ -27,18 +27,18 @@ from typing import Any
 import orjson
 from redis.exceptions import RedisError
 
-from jobs.claims import ClaimedRequest, claim_requests
-from jobs.replies import normalise_body, usage_from_body
-from scheduler.admission import Admission, Observation, pool_of
-from scheduler.breaker import BreakerState
-from scheduler.capacity import shed_count
-from scheduler.fleet import FleetClient, FleetReply
-from scheduler.leases import LeaseStore
-from scheduler.metrics import record_fleet_reply
-from scheduler.n_expansion import post_request
-from scheduler.recorder import Done, Recorder, transient_db_error
-from storage.db import unit_of_work
-from storage.objects import ObjectStore
+from backfill.jobs.claims import ClaimedRequest, claim_requests
+from backfill.jobs.replies import normalise_body, usage_from_body
+from backfill.scheduler.admission import Admission, Observation, pool_of
+from backfill.scheduler.breaker import BreakerState
+from backfill.scheduler.capacity import shed_count
+from backfill.scheduler.fleet import FleetClient, FleetReply
+from backfill.scheduler.leases import LeaseStore
+from backfill.scheduler.metrics import record_fleet_reply
+from backfill.scheduler.n_expansion import post_request
+from backfill.scheduler.recorder import Done, Recorder, transient_db_error
+from backfill.storage.db import unit_of_work
+from backfill.storage.objects import ObjectStore
 
 log = logging.getLogger("backfill.dispatch")
 

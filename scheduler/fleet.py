@@ -25,7 +25,7 @@ import httpx
 import orjson
 import redis.asyncio
 
-from scheduler.breaker import Breaker, BreakerPolicy, BreakerState, Permit, SharedBreaker, local_breaker
+from backfill.scheduler.breaker import Breaker, BreakerPolicy, BreakerState, Permit, SharedBreaker, local_breaker
 
 log = logging.getLogger("backfill.fleet")
 

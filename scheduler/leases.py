@@ -22,8 +22,8 @@ from typing import Protocol
 
 from sqlalchemy import delete, func, select, update
 
-from jobs.models import Lease
-from storage.db import unit_of_work
+from backfill.jobs.models import Lease
+from backfill.storage.db import unit_of_work
 
 log = logging.getLogger("backfill.leases")
 
@@ -229,7 +229,7 @@ _store: LeaseStore | None = None
 def get_lease_store() -> LeaseStore:
     global _store
     if _store is None:
-        from storage.settings import get_settings
+        from backfill.storage.settings import get_settings
 
         s = get_settings()
         _store = RedisLeaseStore(s.redis_url, settle_s=s.lease_ttl_s) if s.redis_url else SqlLeaseStore()

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Literal, ParamSpec, TypeVar
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from storage.metrics import counter, histogram, latest_gauge
+from backfill.storage.metrics import counter, histogram, latest_gauge
 
 if TYPE_CHECKING:  # both modules call in here: no import cycle at run time
-    from scheduler.capacity import Decision
-    from scheduler.fleet import FleetReply
+    from backfill.scheduler.capacity import Decision
+    from backfill.scheduler.fleet import FleetReply
 
 log = logging.getLogger("backfill.metrics")
 

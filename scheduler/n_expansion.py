@@ -7,9 +7,9 @@ from typing import Any
 
 import orjson
 
-from jobs.n_choices import merge_choices, split_n
-from jobs.prefixes import PREFIX_WARM_S
-from scheduler.fleet import FleetClient, FleetReply
+from backfill.jobs.n_choices import merge_choices, split_n
+from backfill.jobs.prefixes import PREFIX_WARM_S
+from backfill.scheduler.fleet import FleetClient, FleetReply
 
 
 async def post_request(

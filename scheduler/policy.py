@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from jobs.sweeps import PendingBatch
+from backfill.jobs.sweeps import PendingBatch
 
 DEFAULT_REQUEST_TOKENS = 1000
 

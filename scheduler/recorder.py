@@ -25,13 +25,13 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_random_exponential
 
-from jobs.claims import ClaimedRequest, release_for_retry, requeue_unstarted
-from jobs.models import utcnow
-from jobs.replies import Outcome, normalise_body, request_id_of, usage_from_body
-from jobs.results import attempts_exceeded, record_outcomes
-from jobs.sweeps import lines_held_by
-from scheduler.fleet import FleetReply
-from storage.db import unit_of_work
+from backfill.jobs.claims import ClaimedRequest, release_for_retry, requeue_unstarted
+from backfill.jobs.models import utcnow
+from backfill.jobs.replies import Outcome, normalise_body, request_id_of, usage_from_body
+from backfill.jobs.results import attempts_exceeded, record_outcomes
+from backfill.jobs.sweeps import lines_held_by
+from backfill.scheduler.fleet import FleetReply
+from backfill.storage.db import unit_of_work
 
 log = logging.getLogger("backfill.dispatch")
 

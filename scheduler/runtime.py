@@ -7,16 +7,16 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Protocol
 
-from jobs.models import utcnow
-from jobs.sweeps import PendingBatch, pending_batches
-from jobs.teams import team_weights
-from scheduler.admission import Admission
-from scheduler.capacity import CapacityLoop, ControlConfig, Controller, FleetCapacityLoop, Slo
-from scheduler.leases import LeaseStore, get_lease_store
-from scheduler.policy import FairPlanner, PolicyConfig
-from scheduler.telemetry import Endpoint, FleetTelemetry, KvModel, parse_endpoints
-from storage.db import unit_of_work
-from storage.settings import Settings, get_settings
+from backfill.jobs.models import utcnow
+from backfill.jobs.sweeps import PendingBatch, pending_batches
+from backfill.jobs.teams import team_weights
+from backfill.scheduler.admission import Admission
+from backfill.scheduler.capacity import CapacityLoop, ControlConfig, Controller, FleetCapacityLoop, Slo
+from backfill.scheduler.leases import LeaseStore, get_lease_store
+from backfill.scheduler.policy import FairPlanner, PolicyConfig
+from backfill.scheduler.telemetry import Endpoint, FleetTelemetry, KvModel, parse_endpoints
+from backfill.storage.db import unit_of_work
+from backfill.storage.settings import Settings, get_settings
 
 
 @lru_cache

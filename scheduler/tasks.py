@@ -24,20 +24,20 @@ from types import FrameType
 from billiard.process import active_children
 from celery.signals import task_postrun, task_prerun, worker_process_init, worker_shutting_down
 
-from jobs import output, validation
-from jobs.catalog import get_catalog
-from jobs.files import file_key, stored_size
-from jobs.models import TERMINAL_STATUSES, Batch, BatchStatus
-from jobs.validation_parallel import default_processes, validate_object
-from scheduler.dispatcher import Dispatcher
-from scheduler.fleet import FleetClient
-from scheduler.leases import exclusive_lease, get_lease_store
-from scheduler.metrics import timed
-from scheduler.runtime import get_admission, make_planner
-from storage.broker import TaskName, celery_app
-from storage.db import unit_of_work
-from storage.objects import get_object_store
-from storage.settings import get_settings
+from backfill.jobs import output, validation
+from backfill.jobs.catalog import get_catalog
+from backfill.jobs.files import file_key, stored_size
+from backfill.jobs.models import TERMINAL_STATUSES, Batch, BatchStatus
+from backfill.jobs.validation_parallel import default_processes, validate_object
+from backfill.scheduler.dispatcher import Dispatcher
+from backfill.scheduler.fleet import FleetClient
+from backfill.scheduler.leases import exclusive_lease, get_lease_store
+from backfill.scheduler.metrics import timed
+from backfill.scheduler.runtime import get_admission, make_planner
+from backfill.storage.broker import TaskName, celery_app
+from backfill.storage.db import unit_of_work
+from backfill.storage.objects import get_object_store
+from backfill.storage.settings import get_settings
 
 log = logging.getLogger("backfill.tasks")
 

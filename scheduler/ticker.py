@@ -17,16 +17,16 @@ from typing import Protocol
 
 from sqlalchemy import select
 
-from jobs import retention, sweeps
-from jobs.models import Batch, BatchStatus, utcnow
-from jobs.sweeps import PendingBatch
-from scheduler import webhook_delivery
-from scheduler.dispatcher import DRAIN_POOL
-from scheduler.leases import LeaseStore
-from storage.broker import TaskName
-from storage.db import unit_of_work
-from storage.objects import get_object_store
-from storage.settings import get_settings
+from backfill.jobs import retention, sweeps
+from backfill.jobs.models import Batch, BatchStatus, utcnow
+from backfill.jobs.sweeps import PendingBatch
+from backfill.scheduler import webhook_delivery
+from backfill.scheduler.dispatcher import DRAIN_POOL
+from backfill.scheduler.leases import LeaseStore
+from backfill.storage.broker import TaskName
+from backfill.storage.db import unit_of_work
+from backfill.storage.objects import get_object_store
+from backfill.storage.settings import get_settings
 
 log = logging.getLogger("backfill.scheduler")
 

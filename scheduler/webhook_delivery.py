@@ -19,9 +19,9 @@ from contextlib import AbstractContextManager
 import httpx
 from sqlalchemy.orm import Session
 
-from jobs import webhooks
-from jobs.webhooks import DueDelivery
-from storage.db import unit_of_work
+from backfill.jobs import webhooks
+from backfill.jobs.webhooks import DueDelivery
+from backfill.storage.db import unit_of_work
 
 log = logging.getLogger("backfill.webhooks")
 

@@ -9,7 +9,7 @@ PYTHON=${PYTHON:-python3.11}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[dev]'
-.venv/bin/python -m devfleet install
+.venv/bin/python -m backfill.devfleet install
 # A real browser for the dashboard's page tests: Debian's Chromium (Playwright cannot download
 # its own builds here). Without apt rights everything else still runs; those tests then skip.
 # Debian's Prometheus, to run the Grafana dashboard's queries against a real scrape.

@@ -12,7 +12,7 @@ import logging
 
 from celery import Celery
 
-from storage.settings import get_settings
+from backfill.storage.settings import get_settings
 
 log = logging.getLogger("backfill.broker")
 

@@ -9,7 +9,7 @@ from functools import lru_cache
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
-from storage.settings import get_settings
+from backfill.storage.settings import get_settings
 
 
 class Base(DeclarativeBase):

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, valu
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from storage.settings import get_settings
+from backfill.storage.settings import get_settings
 
 log = logging.getLogger("backfill.metrics")
 

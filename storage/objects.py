@@ -19,7 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import IO, Any, NamedTuple, Protocol
 
-from storage.settings import get_settings
+from backfill.storage.settings import get_settings
 
 CHUNK = 1024 * 1024
 # S3 parts are at least 5 MiB (all but the last); 8 MiB parts cap an object at 80 GB

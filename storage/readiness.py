@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 from sqlalchemy import text
 
-from storage.db import get_engine
-from storage.objects import get_object_store
-from storage.settings import get_settings
+from backfill.storage.db import get_engine
+from backfill.storage.objects import get_object_store
+from backfill.storage.settings import get_settings
 
 CONNECT_TIMEOUT_S = 2.0
 PROBE_PREFIX = "readiness-probe/"  # never written: listing it costs one request and returns nothing

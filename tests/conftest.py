@@ -13,7 +13,7 @@ from alembic import command
 from sqlalchemy.orm import Session, sessionmaker
 
 from backfill.migrate import alembic_config
-from storage.db import make_engine
+from backfill.storage.db import make_engine
 from tests.stack import RedisServer, Stack, create_database, drop_database, service_env
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -27,7 +27,7 @@ os.environ.setdefault("BACKFILL_CAPACITY_CONTROL", "off")
 
 
 def _free_port() -> int:
-    from devfleet.processes import free_port
+    from backfill.devfleet.processes import free_port
 
     return free_port()
 
@@ -121,7 +121,7 @@ def redis_url(redis_server: RedisServer | None) -> str:
 
 @pytest.fixture(scope="session")
 def s3() -> Iterator[object]:
-    from devfleet.s3 import SeaweedS3
+    from backfill.devfleet.s3 import SeaweedS3
 
     with SeaweedS3() as server:
         server.create_bucket("backfill-test")
@@ -130,7 +130,7 @@ def s3() -> Iterator[object]:
 
 @pytest.fixture(scope="session")
 def fleet() -> Iterator[object]:
-    from devfleet.fleet import Fleet
+    from backfill.devfleet.fleet import Fleet
 
     with Fleet(num_workers=2, speedup_ratio=5.0, model_name="tiny-chat") as f:
         yield f

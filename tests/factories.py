@@ -7,8 +7,8 @@ from datetime import timedelta
 
 from sqlalchemy.orm import Session
 
-from jobs import billing
-from jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
+from backfill.jobs import billing
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
 
 
 def make_batch(

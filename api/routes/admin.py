@@ -8,9 +8,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import AdminPrincipal, DbSession
-from api.errors import COMMON_ERRORS, error_responses
-from api.org_wire import (
+from backfill.api.deps import AdminPrincipal, DbSession
+from backfill.api.errors import COMMON_ERRORS, error_responses
+from backfill.api.org_wire import (
     created_key_out,
     from_unix,
     key_deleted_out,
@@ -22,7 +22,7 @@ from api.org_wire import (
     project_out,
     quota_out,
 )
-from api.protocol import (
+from backfill.api.protocol import (
     CreatedProjectApiKey,
     Price,
     PriceList,
@@ -33,9 +33,9 @@ from api.protocol import (
     Quota,
     QuotaList,
 )
-from jobs import billing, quotas, teams
-from jobs.errors import InvalidRequest
-from storage.settings import parse_duration
+from backfill.jobs import billing, quotas, teams
+from backfill.jobs.errors import InvalidRequest
+from backfill.storage.settings import parse_duration
 
 router = APIRouter(prefix="/v1/organization", tags=["admin"], responses=error_responses(*COMMON_ERRORS, 403))
 

@@ -8,13 +8,13 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict
 
-from api.deps import CurrentPrincipal, DbSession
-from api.errors import COMMON_ERRORS, error_responses
-from api.protocol import Batch, BatchList
-from api.wire import batch_id_in, batch_out, batch_page, file_id_in
-from jobs import batches as batch_service
-from storage.broker import TaskName, send_task
-from storage.settings import get_settings
+from backfill.api.deps import CurrentPrincipal, DbSession
+from backfill.api.errors import COMMON_ERRORS, error_responses
+from backfill.api.protocol import Batch, BatchList
+from backfill.api.wire import batch_id_in, batch_out, batch_page, file_id_in
+from backfill.jobs import batches as batch_service
+from backfill.storage.broker import TaskName, send_task
+from backfill.storage.settings import get_settings
 
 log = logging.getLogger("backfill.api")
 router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=error_responses(*COMMON_ERRORS))

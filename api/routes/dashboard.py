@@ -30,15 +30,15 @@ from pydantic import BaseModel
 from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 
-from api.deps import CurrentPrincipal, DbSession
-from api.errors import COMMON_ERRORS, error_responses
-from api.org_wire import project_id_out
-from api.wire import batch_id_out, ts
-from jobs import batches as batch_service
-from jobs import teams as team_service
-from jobs.models import Lease
-from storage.db import unit_of_work
-from storage.settings import Settings, get_settings
+from backfill.api.deps import CurrentPrincipal, DbSession
+from backfill.api.errors import COMMON_ERRORS, error_responses
+from backfill.api.org_wire import project_id_out
+from backfill.api.wire import batch_id_out, ts
+from backfill.jobs import batches as batch_service
+from backfill.jobs import teams as team_service
+from backfill.jobs.models import Lease
+from backfill.storage.db import unit_of_work
+from backfill.storage.settings import Settings, get_settings
 
 ASSETS = Path(__file__).resolve().parent.parent / "dashboard"
 # The only files served, with their types: nothing a path can reach beyond these.

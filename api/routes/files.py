@@ -10,15 +10,15 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from api.deps import CurrentPrincipal, DbSession, Store
-from api.errors import COMMON_ERRORS, error_responses
-from api.protocol import FileDeleted, FileList, FileObject
-from api.upload import parse_upload
-from api.wire import file_deleted_out, file_id_in, file_out, file_page
-from jobs import files as file_service
-from jobs.errors import NotFound
-from jobs.models import new_id
-from storage.settings import get_settings
+from backfill.api.deps import CurrentPrincipal, DbSession, Store
+from backfill.api.errors import COMMON_ERRORS, error_responses
+from backfill.api.protocol import FileDeleted, FileList, FileObject
+from backfill.api.upload import parse_upload
+from backfill.api.wire import file_deleted_out, file_id_in, file_out, file_page
+from backfill.jobs import files as file_service
+from backfill.jobs.errors import NotFound
+from backfill.jobs.models import new_id
+from backfill.storage.settings import get_settings
 
 router = APIRouter(prefix="/v1/files", tags=["files"], responses=error_responses(*COMMON_ERRORS))
 # The route reads the form itself (streaming, see `api.upload`), so FastAPI cannot see it: say it here.

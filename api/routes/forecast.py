@@ -16,16 +16,16 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
-from api.deps import CurrentPrincipal, DbSession
-from api.errors import COMMON_ERRORS, error_responses
-from api.org_wire import price_out
-from api.protocol import BatchCost, BatchThroughput, Price
-from api.wire import batch_id_in, batch_id_out, ts
-from jobs import batches as batch_service
-from jobs import forecast
-from jobs.billing import CURRENCY, format_micros
-from jobs.errors import InvalidRequest, NotFound
-from storage.settings import get_settings
+from backfill.api.deps import CurrentPrincipal, DbSession
+from backfill.api.errors import COMMON_ERRORS, error_responses
+from backfill.api.org_wire import price_out
+from backfill.api.protocol import BatchCost, BatchThroughput, Price
+from backfill.api.wire import batch_id_in, batch_id_out, ts
+from backfill.jobs import batches as batch_service
+from backfill.jobs import forecast
+from backfill.jobs.billing import CURRENCY, format_micros
+from backfill.jobs.errors import InvalidRequest, NotFound
+from backfill.storage.settings import get_settings
 
 router = APIRouter(prefix="/v1", tags=["batches"], responses=error_responses(*COMMON_ERRORS))
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api.deps import CurrentPrincipal
-from api.errors import COMMON_ERRORS, error_responses
-from api.protocol import Model, ModelList
-from jobs.catalog import get_catalog
-from jobs.errors import NotFound
+from backfill.api.deps import CurrentPrincipal
+from backfill.api.errors import COMMON_ERRORS, error_responses
+from backfill.api.protocol import Model, ModelList
+from backfill.jobs.catalog import get_catalog
+from backfill.jobs.errors import NotFound
 
 router = APIRouter(prefix="/v1/models", tags=["models"], responses=error_responses(*COMMON_ERRORS, 503))
 

@@ -24,12 +24,12 @@ from prometheus_client.registry import Collector
 from pydantic import BaseModel
 from sqlalchemy.exc import SQLAlchemyError
 
-from jobs.metrics import batches_by_status, lines_by_state
-from jobs.models import BatchStatus, RequestState
-from storage.db import unit_of_work
-from storage.metrics import scrape_registry
-from storage.readiness import CHECKS, NotConfigured
-from storage.settings import get_settings
+from backfill.jobs.metrics import batches_by_status, lines_by_state
+from backfill.jobs.models import BatchStatus, RequestState
+from backfill.storage.db import unit_of_work
+from backfill.storage.metrics import scrape_registry
+from backfill.storage.readiness import CHECKS, NotConfigured
+from backfill.storage.settings import get_settings
 
 log = logging.getLogger("backfill.api.ops")
 router = APIRouter(tags=["operations"])

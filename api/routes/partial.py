@@ -16,14 +16,14 @@ from typing import Literal
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
-from api.deps import CurrentPrincipal, DbSession
-from api.errors import COMMON_ERRORS, error_responses
-from api.wire import batch_id_in
-from jobs import batches as batch_service
-from jobs.errors import Conflict
-from jobs.models import Batch, BatchStatus, RequestState
-from jobs.output import ERROR_STATES, OUTPUT_STATES, result_lines
-from storage.db import unit_of_work
+from backfill.api.deps import CurrentPrincipal, DbSession
+from backfill.api.errors import COMMON_ERRORS, error_responses
+from backfill.api.wire import batch_id_in
+from backfill.jobs import batches as batch_service
+from backfill.jobs.errors import Conflict
+from backfill.jobs.models import Batch, BatchStatus, RequestState
+from backfill.jobs.output import ERROR_STATES, OUTPUT_STATES, result_lines
+from backfill.storage.db import unit_of_work
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=error_responses(*COMMON_ERRORS))
 

@@ -11,21 +11,21 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
-from api.deps import CurrentPrincipal, DbSession
-from api.errors import COMMON_ERRORS, error_responses
-from api.org_wire import PROJECT_PREFIX, amount_out, from_unix, key_id_in, key_id_out, project_id_out
-from api.protocol import (
+from backfill.api.deps import CurrentPrincipal, DbSession
+from backfill.api.errors import COMMON_ERRORS, error_responses
+from backfill.api.org_wire import PROJECT_PREFIX, amount_out, from_unix, key_id_in, key_id_out, project_id_out
+from backfill.api.protocol import (
     Bucket,
     CompletionsUsagePage,
     CompletionsUsageResult,
     CostsPage,
     CostsResult,
 )
-from api.wire import ts
-from jobs.errors import InvalidRequest
-from jobs.models import utcnow
-from jobs.teams import Principal
-from jobs.usage import BUCKET_WIDTHS, UsageTotals, align, usage_totals
+from backfill.api.wire import ts
+from backfill.jobs.errors import InvalidRequest
+from backfill.jobs.models import utcnow
+from backfill.jobs.teams import Principal
+from backfill.jobs.usage import BUCKET_WIDTHS, UsageTotals, align, usage_totals
 
 router = APIRouter(prefix="/v1/organization", tags=["usage"], responses=error_responses(*COMMON_ERRORS))
 

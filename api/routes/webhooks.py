@@ -9,13 +9,13 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import CurrentPrincipal, DbSession
-from api.errors import COMMON_ERRORS, error_responses
-from api.protocol import ListPage
-from api.wire import batch_id_out, ts
-from jobs import webhooks as webhook_service
-from jobs.errors import NotFound
-from jobs.webhook_models import WebhookDelivery, WebhookEndpoint, WebhookEvent
+from backfill.api.deps import CurrentPrincipal, DbSession
+from backfill.api.errors import COMMON_ERRORS, error_responses
+from backfill.api.protocol import ListPage
+from backfill.api.wire import batch_id_out, ts
+from backfill.jobs import webhooks as webhook_service
+from backfill.jobs.errors import NotFound
+from backfill.jobs.webhook_models import WebhookDelivery, WebhookEndpoint, WebhookEvent
 
 router = APIRouter(prefix="/v1", tags=["webhooks"], responses=error_responses(*COMMON_ERRORS))
 

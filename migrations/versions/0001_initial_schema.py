@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-import jobs.models
+import backfill.jobs.models
 
 
 revision = '0001'
@@ -34,7 +34,7 @@ def upgrade() -> None:
     sa.Column('id', sa.String(length=32), nullable=False),
     sa.Column('name', sa.String(length=128), nullable=False),
     sa.Column('weight', sa.Integer(), nullable=False),
-    sa.Column('created_at', jobs.models.UtcDateTime(timezone=True), nullable=False),
+    sa.Column('created_at', backfill.jobs.models.UtcDateTime(timezone=True), nullable=False),
     sa.PrimaryKeyConstraint('id'),
     sa.UniqueConstraint('name')
     )
@@ -45,8 +45,8 @@ def upgrade() -> None:
     sa.Column('prefix', sa.String(length=32), nullable=False),
     sa.Column('key_hash', sa.String(length=64), nullable=False),
     sa.Column('is_admin', sa.Boolean(), nullable=False),
-    sa.Column('created_at', jobs.models.UtcDateTime(timezone=True), nullable=False),
-    sa.Column('revoked_at', jobs.models.UtcDateTime(timezone=True), nullable=True),
+    sa.Column('created_at', backfill.jobs.models.UtcDateTime(timezone=True), nullable=False),
+    sa.Column('revoked_at', backfill.jobs.models.UtcDateTime(timezone=True), nullable=True),
     sa.ForeignKeyConstraint(['team_id'], ['teams.id'], ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('id'),
     sa.UniqueConstraint('key_hash')
@@ -66,15 +66,15 @@ def upgrade() -> None:
     sa.Column('metadata', sa.JSON(), nullable=True),
     sa.Column('output_expires_after_s', sa.Integer(), nullable=True),
     sa.Column('errors', sa.JSON(), nullable=True),
-    sa.Column('created_at', jobs.models.UtcDateTime(timezone=True), nullable=False),
-    sa.Column('expires_at', jobs.models.UtcDateTime(timezone=True), nullable=False),
-    sa.Column('in_progress_at', jobs.models.UtcDateTime(timezone=True), nullable=True),
-    sa.Column('finalizing_at', jobs.models.UtcDateTime(timezone=True), nullable=True),
-    sa.Column('completed_at', jobs.models.UtcDateTime(timezone=True), nullable=True),
-    sa.Column('failed_at', jobs.models.UtcDateTime(timezone=True), nullable=True),
-    sa.Column('expired_at', jobs.models.UtcDateTime(timezone=True), nullable=True),
-    sa.Column('cancelling_at', jobs.models.UtcDateTime(timezone=True), nullable=True),
-    sa.Column('cancelled_at', jobs.models.UtcDateTime(timezone=True), nullable=True),
+    sa.Column('created_at', backfill.jobs.models.UtcDateTime(timezone=True), nullable=False),
+    sa.Column('expires_at', backfill.jobs.models.UtcDateTime(timezone=True), nullable=False),
+    sa.Column('in_progress_at', backfill.jobs.models.UtcDateTime(timezone=True), nullable=True),
+    sa.Column('finalizing_at', backfill.jobs.models.UtcDateTime(timezone=True), nullable=True),
+    sa.Column('completed_at', backfill.jobs.models.UtcDateTime(timezone=True), nullable=True),
+    sa.Column('failed_at', backfill.jobs.models.UtcDateTime(timezone=True), nullable=True),
+    sa.Column('expired_at', backfill.jobs.models.UtcDateTime(timezone=True), nullable=True),
+    sa.Column('cancelling_at', backfill.jobs.models.UtcDateTime(timezone=True), nullable=True),
+    sa.Column('cancelled_at', backfill.jobs.models.UtcDateTime(timezone=True), nullable=True),
     sa.Column('output_file_id', sa.String(length=40), nullable=True),
     sa.Column('error_file_id', sa.String(length=40), nullable=True),
     sa.Column('total', sa.Integer(), nullable=False),
@@ -100,9 +100,9 @@ def upgrade() -> None:
     sa.Column('filename', sa.String(length=512), nullable=False),
     sa.Column('bytes', sa.BigInteger(), nullable=False),
     sa.Column('object_key', sa.String(length=512), nullable=False),
-    sa.Column('created_at', jobs.models.UtcDateTime(timezone=True), nullable=False),
-    sa.Column('expires_at', jobs.models.UtcDateTime(timezone=True), nullable=True),
-    sa.Column('deleted_at', jobs.models.UtcDateTime(timezone=True), nullable=True),
+    sa.Column('created_at', backfill.jobs.models.UtcDateTime(timezone=True), nullable=False),
+    sa.Column('expires_at', backfill.jobs.models.UtcDateTime(timezone=True), nullable=True),
+    sa.Column('deleted_at', backfill.jobs.models.UtcDateTime(timezone=True), nullable=True),
     sa.ForeignKeyConstraint(['team_id'], ['teams.id'], ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('id')
     )
@@ -119,9 +119,9 @@ def upgrade() -> None:
     sa.Column('token_estimate', sa.Integer(), nullable=False),
     sa.Column('state', sa.String(length=16), nullable=False),
     sa.Column('attempts', sa.Integer(), nullable=False),
-    sa.Column('not_before', jobs.models.UtcDateTime(timezone=True), nullable=True),
+    sa.Column('not_before', backfill.jobs.models.UtcDateTime(timezone=True), nullable=True),
     sa.Column('claim_token', sa.String(length=64), nullable=True),
-    sa.Column('claimed_at', jobs.models.UtcDateTime(timezone=True), nullable=True),
+    sa.Column('claimed_at', backfill.jobs.models.UtcDateTime(timezone=True), nullable=True),
     sa.Column('result_id', sa.String(length=64), nullable=True),
     sa.Column('status_code', sa.Integer(), nullable=True),
     sa.Column('request_id', sa.String(length=128), nullable=True),
@@ -132,7 +132,7 @@ def upgrade() -> None:
     sa.Column('cached_tokens', sa.Integer(), nullable=False),
     sa.Column('completion_tokens', sa.Integer(), nullable=False),
     sa.Column('reasoning_tokens', sa.Integer(), nullable=False),
-    sa.Column('finished_at', jobs.models.UtcDateTime(timezone=True), nullable=True),
+    sa.Column('finished_at', backfill.jobs.models.UtcDateTime(timezone=True), nullable=True),
     sa.ForeignKeyConstraint(['batch_id'], ['batches.id'], ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('batch_id', 'line'),
     sa.UniqueConstraint('batch_id', 'custom_id', name='uq_batch_requests_custom_id')

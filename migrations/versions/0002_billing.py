@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-import jobs.models
+import backfill.jobs.models
 
 
 revision = '0002'
@@ -28,8 +28,8 @@ def upgrade() -> None:
     sa.Column('cached_input_micros_per_million', sa.BigInteger(), nullable=False),
     sa.Column('output_micros_per_million', sa.BigInteger(), nullable=False),
     sa.Column('batch_discount_percent', sa.Integer(), nullable=False),
-    sa.Column('effective_from', jobs.models.UtcDateTime(timezone=True), nullable=False),
-    sa.Column('created_at', jobs.models.UtcDateTime(timezone=True), nullable=False),
+    sa.Column('effective_from', backfill.jobs.models.UtcDateTime(timezone=True), nullable=False),
+    sa.Column('created_at', backfill.jobs.models.UtcDateTime(timezone=True), nullable=False),
     sa.PrimaryKeyConstraint('id')
     )
     op.create_index('ix_prices_model_effective', 'prices', ['model', 'effective_from'], unique=False)
@@ -38,7 +38,7 @@ def upgrade() -> None:
     sa.Column('model', sa.String(length=256), nullable=False),
     sa.Column('max_enqueued_tokens', sa.BigInteger(), nullable=True),
     sa.Column('max_concurrent_batches', sa.Integer(), nullable=True),
-    sa.Column('updated_at', jobs.models.UtcDateTime(timezone=True), nullable=False),
+    sa.Column('updated_at', backfill.jobs.models.UtcDateTime(timezone=True), nullable=False),
     sa.ForeignKeyConstraint(['team_id'], ['teams.id'], ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('team_id', 'model')
     )
@@ -57,7 +57,7 @@ def upgrade() -> None:
     sa.Column('cached_input_cost_micros', sa.BigInteger(), nullable=False),
     sa.Column('output_cost_micros', sa.BigInteger(), nullable=False),
     sa.Column('cost_micros', sa.BigInteger(), nullable=False),
-    sa.Column('recorded_at', jobs.models.UtcDateTime(timezone=True), nullable=False),
+    sa.Column('recorded_at', backfill.jobs.models.UtcDateTime(timezone=True), nullable=False),
     sa.ForeignKeyConstraint(['batch_id'], ['batches.id'], ),
     sa.ForeignKeyConstraint(['price_version'], ['prices.id'], ),
     sa.ForeignKeyConstraint(['team_id'], ['teams.id'], ),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-import jobs.models
+import backfill.jobs.models
 
 revision = '0003'
 down_revision = '0002'
@@ -20,10 +20,10 @@ depends_on = None
 
 def upgrade() -> None:
     with op.batch_alter_table('files') as batch_op:
-        batch_op.add_column(sa.Column('purged_at', jobs.models.UtcDateTime(), nullable=True))
+        batch_op.add_column(sa.Column('purged_at', backfill.jobs.models.UtcDateTime(), nullable=True))
         batch_op.create_index('ix_files_object_key', ['object_key'])
     with op.batch_alter_table('batches') as batch_op:
-        batch_op.add_column(sa.Column('bodies_purged_at', jobs.models.UtcDateTime(), nullable=True))
+        batch_op.add_column(sa.Column('bodies_purged_at', backfill.jobs.models.UtcDateTime(), nullable=True))
 
 
 def downgrade() -> None:

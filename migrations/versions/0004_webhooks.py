@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-import jobs.models
+import backfill.jobs.models
 
 revision = '0004'
 down_revision = '0003'
@@ -27,9 +27,9 @@ def upgrade() -> None:
     sa.Column('event_types', sa.JSON(), nullable=False),
     sa.Column('secret', sa.String(length=64), nullable=False),
     sa.Column('previous_secret', sa.String(length=64), nullable=True),
-    sa.Column('previous_secret_until', jobs.models.UtcDateTime(), nullable=True),
-    sa.Column('created_at', jobs.models.UtcDateTime(), nullable=False),
-    sa.Column('updated_at', jobs.models.UtcDateTime(), nullable=False),
+    sa.Column('previous_secret_until', backfill.jobs.models.UtcDateTime(), nullable=True),
+    sa.Column('created_at', backfill.jobs.models.UtcDateTime(), nullable=False),
+    sa.Column('updated_at', backfill.jobs.models.UtcDateTime(), nullable=False),
     sa.ForeignKeyConstraint(['team_id'], ['teams.id'], ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('id')
     )
@@ -40,7 +40,7 @@ def upgrade() -> None:
     sa.Column('type', sa.String(length=32), nullable=False),
     sa.Column('batch_id', sa.String(length=32), nullable=False),
     sa.Column('body', sa.Text(), nullable=False),
-    sa.Column('created_at', jobs.models.UtcDateTime(), nullable=False),
+    sa.Column('created_at', backfill.jobs.models.UtcDateTime(), nullable=False),
     sa.ForeignKeyConstraint(['team_id'], ['teams.id'], ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('id')
     )
@@ -51,13 +51,13 @@ def upgrade() -> None:
     sa.Column('endpoint_id', sa.String(length=32), nullable=False),
     sa.Column('status', sa.String(length=16), nullable=False),
     sa.Column('attempts', sa.Integer(), nullable=False),
-    sa.Column('next_attempt_at', jobs.models.UtcDateTime(), nullable=True),
-    sa.Column('last_attempt_at', jobs.models.UtcDateTime(), nullable=True),
+    sa.Column('next_attempt_at', backfill.jobs.models.UtcDateTime(), nullable=True),
+    sa.Column('last_attempt_at', backfill.jobs.models.UtcDateTime(), nullable=True),
     sa.Column('last_status_code', sa.Integer(), nullable=True),
     sa.Column('last_error', sa.String(length=256), nullable=True),
     sa.Column('history', sa.JSON(), nullable=False),
-    sa.Column('created_at', jobs.models.UtcDateTime(), nullable=False),
-    sa.Column('delivered_at', jobs.models.UtcDateTime(), nullable=True),
+    sa.Column('created_at', backfill.jobs.models.UtcDateTime(), nullable=False),
+    sa.Column('delivered_at', backfill.jobs.models.UtcDateTime(), nullable=True),
     sa.ForeignKeyConstraint(['endpoint_id'], ['webhook_endpoints.id'], ondelete='CASCADE'),
     sa.ForeignKeyConstraint(['event_id'], ['webhook_events.id'], ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('id'),

@@ -20,10 +20,10 @@ UNREACHABLE_FLEET = "http://127.0.0.1:9/v1"  # the discard port: nothing listens
 
 
 def _clear_caches() -> None:
-    from jobs import catalog
-    from storage.db import _session_factory, get_engine
-    from storage.objects import get_object_store
-    from storage.settings import get_settings
+    from backfill.jobs import catalog
+    from backfill.storage.db import _session_factory, get_engine
+    from backfill.storage.objects import get_object_store
+    from backfill.storage.settings import get_settings
 
     if get_engine.cache_info().currsize:
         get_engine().dispose()
@@ -60,14 +60,14 @@ def api_env(scratch_pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPa
         mp.setenv("BACKFILL_COMPLETION_WINDOWS", "24h,1h")
         mp.setenv("BACKFILL_RATE_LIMIT", "off")  # its own tests: tests/api/test_ratelimit.py
         _clear_caches()
-        import storage.broker
+        import backfill.storage.broker
 
-        # The broker's app is built when `storage.broker` is first imported, from the settings of
+        # The broker's app is built when `backfill.storage.broker` is first imported, from the settings of
         # that moment: build it again for this environment, with a key prefix of its own so no
         # worker sharing this Redis database takes the messages these tests look for.
-        celery_app = storage.broker.make_celery()
+        celery_app = backfill.storage.broker.make_celery()
         celery_app.conf.broker_transport_options = {"visibility_timeout": 3600, "global_keyprefix": env.broker_prefix}
-        mp.setattr(storage.broker, "celery_app", celery_app)
+        mp.setattr(backfill.storage.broker, "celery_app", celery_app)
         try:
             yield env
         finally:
@@ -90,7 +90,7 @@ class CheckedClient(TestClient):
 
 @pytest.fixture(scope="package")
 def api(api_env: ApiEnv) -> Iterator[CheckedClient]:
-    from api.app import create_app
+    from backfill.api.app import create_app
 
     with CheckedClient(create_app(), base_url="http://backfill.test", raise_server_exceptions=False) as client:
         yield client

@@ -9,10 +9,10 @@ import pytest
 import redis
 from sqlalchemy import update
 
-from api.wire import batch_id_in
-from jobs.models import Batch, BatchStatus
-from storage.broker import QueueName, TaskName
-from storage.db import unit_of_work
+from backfill.api.wire import batch_id_in
+from backfill.jobs.models import Batch, BatchStatus
+from backfill.storage.broker import QueueName, TaskName
+from backfill.storage.db import unit_of_work
 from tests.api.conftest import ApiEnv, CheckedClient, Team
 from tests.api.test_files import upload
 from tests.contract.spec import validate
@@ -150,11 +150,11 @@ def test_a_broker_outage_does_not_fail_the_create(
     api: CheckedClient, team: Team, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The broker only nudges: the batch is committed and answered; the scheduler nudges it later."""
-    import storage.broker
+    import backfill.storage.broker
 
-    down = storage.broker.make_celery()
+    down = backfill.storage.broker.make_celery()
     down.conf.broker_url = "redis://127.0.0.1:1/0"  # nothing listens on port 1
-    monkeypatch.setattr(storage.broker, "celery_app", down)
+    monkeypatch.setattr(backfill.storage.broker, "celery_app", down)
     b = create(api, team)
     assert b["status"] == "validating"
     assert api.get(f"/v1/batches/{b['id']}", headers=team.headers).status_code == 200

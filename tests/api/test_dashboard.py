@@ -9,9 +9,9 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from api.routes import dashboard
-from scheduler.leases import RedisLeaseStore, SqlLeaseStore
-from storage.settings import Settings, get_settings
+from backfill.api.routes import dashboard
+from backfill.scheduler.leases import RedisLeaseStore, SqlLeaseStore
+from backfill.storage.settings import Settings, get_settings
 from tests.api.conftest import ApiEnv, CheckedClient, Team
 from tests.api.test_batches import create
 

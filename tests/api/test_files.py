@@ -8,9 +8,9 @@ from typing import Any
 from fastapi.testclient import TestClient
 from starlette.types import Message, Receive, Scope, Send
 
-from api.wire import file_id_in
-from jobs.models import File
-from storage.db import unit_of_work
+from backfill.api.wire import file_id_in
+from backfill.jobs.models import File
+from backfill.storage.db import unit_of_work
 from tests.api.conftest import CheckedClient, Team
 from tests.contract.spec import validate
 

@@ -9,14 +9,14 @@ import secrets
 
 import pytest
 
-from api.protocol import BatchCost, BatchThroughput, Price
-from api.wire import batch_id_in
-from jobs import billing
-from jobs.claims import claim_requests
-from jobs.replies import Outcome, Usage
-from jobs.results import record_outcomes
-from jobs.validation import Limits, apply_validation, validate_lines
-from storage.db import unit_of_work
+from backfill.api.protocol import BatchCost, BatchThroughput, Price
+from backfill.api.wire import batch_id_in
+from backfill.jobs import billing
+from backfill.jobs.claims import claim_requests
+from backfill.jobs.replies import Outcome, Usage
+from backfill.jobs.results import record_outcomes
+from backfill.jobs.validation import Limits, apply_validation, validate_lines
+from backfill.storage.db import unit_of_work
 from tests.api.conftest import CheckedClient, Team
 from tests.api.test_files import upload
 

@@ -12,10 +12,10 @@ from typing import Any
 import yaml
 from prometheus_client import Counter, Histogram
 
-from api.access_log import http_metrics
-from api.routes.ops import DatabaseGauges
-from jobs.metrics import usage_metrics
-from scheduler.metrics import scheduler_metrics
+from backfill.api.access_log import http_metrics
+from backfill.api.routes.ops import DatabaseGauges
+from backfill.jobs.metrics import usage_metrics
+from backfill.scheduler.metrics import scheduler_metrics
 from tests.api.conftest import ApiEnv
 
 ROOT = Path(__file__).resolve().parents[2]

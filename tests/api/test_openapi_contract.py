@@ -52,7 +52,7 @@ def openai_document() -> Schema:
 
 @cache
 def app_document() -> Schema:
-    from api.app import create_app
+    from backfill.api.app import create_app
 
     return create_app().openapi()
 

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from api.access_log import AccessLog
+from backfill.api.access_log import AccessLog
 from tests.api.conftest import ApiEnv, CheckedClient, Team
 from tests.api.test_batches import create
 
@@ -21,9 +21,9 @@ CLOSED_PORT_DB = "postgresql+psycopg://postgres@127.0.0.1:9/nothing"  # the disc
 
 
 def _clear_caches() -> None:
-    from storage.db import _session_factory, get_engine
-    from storage.objects import get_object_store
-    from storage.settings import get_settings
+    from backfill.storage.db import _session_factory, get_engine
+    from backfill.storage.objects import get_object_store
+    from backfill.storage.settings import get_settings
 
     if get_engine.cache_info().currsize:
         get_engine().dispose()

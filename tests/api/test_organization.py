@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from api.org_wire import project_id_in
-from jobs.billing_models import UsageLedgerEntry
-from jobs.models import Batch, BatchStatus
-from storage.db import unit_of_work
+from backfill.api.org_wire import project_id_in
+from backfill.jobs.billing_models import UsageLedgerEntry
+from backfill.jobs.models import Batch, BatchStatus
+from backfill.storage.db import unit_of_work
 from tests.api.conftest import CheckedClient, Team
 from tests.api.test_batches import create
 

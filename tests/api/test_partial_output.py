@@ -7,15 +7,15 @@ import json
 
 from sqlalchemy import update
 
-from api.wire import batch_id_in
-from jobs.claims import claim_requests
-from jobs.models import Batch, utcnow
-from jobs.output import finalize_batch
-from jobs.replies import Outcome, Usage
-from jobs.results import record_outcomes
-from jobs.validation import Limits, apply_validation, validate_lines
-from storage.db import unit_of_work
-from storage.objects import get_object_store
+from backfill.api.wire import batch_id_in
+from backfill.jobs.claims import claim_requests
+from backfill.jobs.models import Batch, utcnow
+from backfill.jobs.output import finalize_batch
+from backfill.jobs.replies import Outcome, Usage
+from backfill.jobs.results import record_outcomes
+from backfill.jobs.validation import Limits, apply_validation, validate_lines
+from backfill.storage.db import unit_of_work
+from backfill.storage.objects import get_object_store
 from tests.api.conftest import CheckedClient, Team
 from tests.api.test_files import upload
 

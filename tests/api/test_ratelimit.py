@@ -9,7 +9,7 @@ import httpx
 import pytest
 import redis
 
-from api.ratelimit import KEY_PREFIX
+from backfill.api.ratelimit import KEY_PREFIX
 from tests.api.test_upload import api_key, build_app, serve
 from tests.api.test_upload import service as service  # the fixture: env and caches for an in-process server
 

@@ -23,13 +23,13 @@ from sqlalchemy import func
 from sqlalchemy import select as sql_select
 from starlette.types import ASGIApp
 
-from api.app import create_app
-from api.limits import UPLOAD_OVERHEAD_BYTES, UploadGate
-from api.ratelimit import RateLimit
-from jobs.files import MAX_FILENAME_CHARS
-from jobs.models import File
-from jobs.teams import create_key, get_or_create_team
-from storage.db import unit_of_work
+from backfill.api.app import create_app
+from backfill.api.limits import UPLOAD_OVERHEAD_BYTES, UploadGate
+from backfill.api.ratelimit import RateLimit
+from backfill.jobs.files import MAX_FILENAME_CHARS
+from backfill.jobs.models import File
+from backfill.jobs.teams import create_key, get_or_create_team
+from backfill.storage.db import unit_of_work
 
 MAX_FILE_BYTES = 1024 * 1024
 BOUNDARY = b"backfill-test-7MA4YWxkTrZu0gW"
@@ -43,13 +43,13 @@ LINE = b'{"custom_id": "r", "method": "POST", "url": "/v1/chat/completions", "bo
 def reset_process_caches() -> None:
     """Settings, engine and object store are built once per process; the tests change the
     environment between servers, so drop them (closing the engine's connections)."""
-    import storage.db
-    import storage.objects
-    import storage.settings
+    import backfill.storage.db
+    import backfill.storage.objects
+    import backfill.storage.settings
 
-    if storage.db.get_engine.cache_info().currsize:
-        storage.db.get_engine().dispose()
-    for module in (storage.settings, storage.db, storage.objects):
+    if backfill.storage.db.get_engine.cache_info().currsize:
+        backfill.storage.db.get_engine().dispose()
+    for module in (backfill.storage.settings, backfill.storage.db, backfill.storage.objects):
         for value in list(vars(module).values()):
             if getattr(value, "__module__", None) == module.__name__ and callable(getattr(value, "cache_clear", None)):
                 value.cache_clear()

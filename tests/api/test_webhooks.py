@@ -12,12 +12,12 @@ import pytest
 from sqlalchemy import select
 from standardwebhooks import Webhook
 
-from api.wire import batch_id_in
-from jobs import webhooks
-from jobs.models import BatchStatus
-from jobs.validation import fail_batch_validation
-from jobs.webhook_models import WebhookDelivery, WebhookEvent
-from storage.db import unit_of_work
+from backfill.api.wire import batch_id_in
+from backfill.jobs import webhooks
+from backfill.jobs.models import BatchStatus
+from backfill.jobs.validation import fail_batch_validation
+from backfill.jobs.webhook_models import WebhookDelivery, WebhookEvent
+from backfill.storage.db import unit_of_work
 from tests.api.conftest import CheckedClient, Team
 from tests.api.test_batches import create
 

@@ -16,10 +16,10 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 from standardwebhooks import Webhook
 
-from jobs import webhooks
-from jobs.models import Batch, BatchStatus, Team, utcnow
-from jobs.webhook_models import DeliveryStatus, WebhookDelivery, WebhookEndpoint, WebhookEvent
-from scheduler.webhook_delivery import WebhookSender
+from backfill.jobs import webhooks
+from backfill.jobs.models import Batch, BatchStatus, Team, utcnow
+from backfill.jobs.webhook_models import DeliveryStatus, WebhookDelivery, WebhookEndpoint, WebhookEvent
+from backfill.scheduler.webhook_delivery import WebhookSender
 
 
 @dataclass

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from devfleet import fleet as fleet_mod
-from devfleet.install import ensure_seaweedfs
-from devfleet.model import CHAT_TEMPLATE, build_tiny_model, is_complete
-from devfleet.processes import SYSTEM_PORT_RANGE, free_port
-from devfleet.reaper import reap_stale_fleets
+from backfill.devfleet import fleet as fleet_mod
+from backfill.devfleet.install import ensure_seaweedfs
+from backfill.devfleet.model import CHAT_TEMPLATE, build_tiny_model, is_complete
+from backfill.devfleet.processes import SYSTEM_PORT_RANGE, free_port
+from backfill.devfleet.reaper import reap_stale_fleets
 
 
 def _pid_alive(pid: int) -> bool:
@@ -143,7 +143,7 @@ def test_worker_command_flags(tiny_model: Path):
 
 
 def test_cli_parser():
-    from devfleet.__main__ import build_parser
+    from backfill.devfleet.__main__ import build_parser
 
     a = build_parser().parse_args(
         [
@@ -184,7 +184,7 @@ def test_seaweed_s3_roundtrip(tmp_path: Path):
     pytest.importorskip("boto3")
     from botocore.exceptions import ClientError
 
-    from devfleet.s3 import SeaweedS3
+    from backfill.devfleet.s3 import SeaweedS3
 
     data = tmp_path / "data"
     with SeaweedS3(data_dir=data) as s3, SeaweedS3(access_key="k2", secret_key="s2") as other:
@@ -368,7 +368,7 @@ def test_fleet_start_failure_reports_logs(tiny_model: Path, tmp_path: Path):
 _ORPHAN_SCRIPT = """
 import sys, time
 from pathlib import Path
-from devfleet.fleet import Fleet
+from backfill.devfleet.fleet import Fleet
 f = Fleet(num_workers=1, speedup_ratio=0, model_path=Path(sys.argv[1]), run_dir=Path(sys.argv[2]),
           die_with_parent=sys.argv[3] == "1")
 f.start()

@@ -255,7 +255,7 @@ class FleetInflight:
 
 @pytest.fixture(scope="module")
 def send_counter(fleet: Any) -> Iterator[SendCounter]:
-    from devfleet.processes import free_port
+    from backfill.devfleet.processes import free_port
 
     counter = SendCounter(fleet.origin, free_port()).start()
     yield counter

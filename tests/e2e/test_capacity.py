@@ -21,10 +21,10 @@ import httpx
 import orjson
 import pytest
 
-from scheduler.admission import LIMIT_KEY, POOL, Admission
-from scheduler.capacity import CapacityLoop, ControlConfig, Controller, Decision, Slo
-from scheduler.leases import RedisLeaseStore
-from scheduler.telemetry import Endpoint, FleetTelemetry
+from backfill.scheduler.admission import LIMIT_KEY, POOL, Admission
+from backfill.scheduler.capacity import CapacityLoop, ControlConfig, Controller, Decision, Slo
+from backfill.scheduler.leases import RedisLeaseStore
+from backfill.scheduler.telemetry import Endpoint, FleetTelemetry
 from tests.conftest import PG_ADMIN_URL, ROOT
 from tests.stack import create_database, drop_database
 
@@ -40,7 +40,7 @@ def words(rng: random.Random, n: int) -> str:
 
 @pytest.fixture(scope="module")
 def busy_fleet() -> Iterator[Any]:
-    from devfleet.fleet import Fleet
+    from backfill.devfleet.fleet import Fleet
 
     with Fleet(
         num_workers=2,
@@ -57,8 +57,8 @@ def busy_fleet() -> Iterator[Any]:
 def db(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A database of its own (the session stack's drains must not pick these batches up), used
     in-process through the usual settings."""
-    from storage import db as storage_db
-    from storage import objects, settings
+    from backfill.storage import db as storage_db
+    from backfill.storage import objects, settings
 
     name = f"backfill_capacity_{secrets.token_hex(4)}"
     url = create_database(PG_ADMIN_URL, name)
@@ -93,10 +93,10 @@ def make_batch(
     team: str, n: int, *, expires_in_s: float, max_tokens: int, prompt_words: int = 40, weight: int = 1
 ) -> str:
     """A validated, in-progress batch, through the same service functions the API uses."""
-    from jobs import batches, files, teams, validation
-    from jobs.models import Team, new_id
-    from storage.db import unit_of_work
-    from storage.objects import get_object_store
+    from backfill.jobs import batches, files, teams, validation
+    from backfill.jobs.models import Team, new_id
+    from backfill.storage.db import unit_of_work
+    from backfill.storage.objects import get_object_store
 
     rng = random.Random(team + str(n))
     data = b"".join(
@@ -154,16 +154,16 @@ def make_batch(
 
 
 def counts(*batch_ids: str) -> dict[str, int]:
-    from jobs.models import Batch
-    from storage.db import unit_of_work
+    from backfill.jobs.models import Batch
+    from backfill.storage.db import unit_of_work
 
     with unit_of_work() as s:
         return {b: s.get(Batch, b).completed for b in batch_ids}  # type: ignore[union-attr]
 
 
 def retire(*batch_ids: str) -> None:
-    from jobs import batches
-    from storage.db import unit_of_work
+    from backfill.jobs import batches
+    from backfill.storage.db import unit_of_work
 
     with unit_of_work() as s:
         for b in batch_ids:
@@ -174,7 +174,7 @@ class Drain:
     """Dispatchers run back to back in a thread of their own, as a worker's drain tasks would."""
 
     def __init__(self, admission: Admission, leases: RedisLeaseStore, fleet_url: str) -> None:
-        from scheduler.runtime import make_planner
+        from backfill.scheduler.runtime import make_planner
 
         self.admission, self.leases, self.fleet_url = admission, leases, fleet_url
         self.planner = make_planner(refresh_s=0.25, admission=admission)
@@ -182,9 +182,9 @@ class Drain:
         self.thread = threading.Thread(target=lambda: asyncio.run(self._loop()), daemon=True)
 
     async def _loop(self) -> None:
-        from scheduler.dispatcher import Dispatcher
-        from scheduler.fleet import FleetClient
-        from storage.objects import get_object_store
+        from backfill.scheduler.dispatcher import Dispatcher
+        from backfill.scheduler.fleet import FleetClient
+        from backfill.storage.objects import get_object_store
 
         fleet = FleetClient([self.fleet_url], timeout_s=120)
 
@@ -258,12 +258,12 @@ def sample(fn: Callable[[], int], seconds: float, every_s: float = 0.1) -> list[
 
 DRAIN_SCRIPT = """
 import asyncio, sys
-from scheduler.admission import Admission
-from scheduler.dispatcher import Dispatcher
-from scheduler.fleet import FleetClient
-from scheduler.leases import RedisLeaseStore
-from scheduler.runtime import make_planner
-from storage.objects import get_object_store
+from backfill.scheduler.admission import Admission
+from backfill.scheduler.dispatcher import Dispatcher
+from backfill.scheduler.fleet import FleetClient
+from backfill.scheduler.leases import RedisLeaseStore
+from backfill.scheduler.runtime import make_planner
+from backfill.storage.objects import get_object_store
 
 url, ns, fleet_url = sys.argv[1:4]
 leases = RedisLeaseStore(url, namespace=ns)
@@ -281,9 +281,9 @@ asyncio.run(main())
 
 
 def test_leases_of_a_killed_worker_lapse(db: str, busy_fleet: Any, leases: RedisLeaseStore, redis_url: str) -> None:
-    from jobs import sweeps
-    from scheduler.ticker import Ticker
-    from storage.db import unit_of_work
+    from backfill.jobs import sweeps
+    from backfill.scheduler.ticker import Ticker
+    from backfill.storage.db import unit_of_work
 
     batch = make_batch("lapse", 40, expires_in_s=3600, max_tokens=3000)  # replies that take ~20 s
     proc = subprocess.Popen(
@@ -379,7 +379,7 @@ def test_concurrency_follows_interactive_latency(db: str, busy_fleet: Any, lease
 
 
 def test_no_telemetry_no_batch_work_beyond_the_floor(db: str, busy_fleet: Any, leases: RedisLeaseStore) -> None:
-    from devfleet.processes import free_port
+    from backfill.devfleet.processes import free_port
 
     batch = make_batch("blind", 3000, expires_in_s=3600, max_tokens=24)
     cfg = ControlConfig(slo=Slo(ttft_s=0.5, itl_s=0.014), floor=2, ceiling=64)

@@ -22,11 +22,11 @@ import httpx
 import pytest
 import redis
 
-from devfleet.faultproxy import Fault, FaultProxy
-from devfleet.fleet import Fleet
-from devfleet.processes import free_port
-from scheduler.breaker import BreakerPolicy, BreakerState
-from scheduler.fleet import FleetClient
+from backfill.devfleet.faultproxy import Fault, FaultProxy
+from backfill.devfleet.fleet import Fleet
+from backfill.devfleet.processes import free_port
+from backfill.scheduler.breaker import BreakerPolicy, BreakerState
+from backfill.scheduler.fleet import FleetClient
 from tests.conftest import PG_ADMIN_URL
 from tests.e2e.helpers import MODEL, chat_line, jsonl, read_lines, upload, wait_for
 from tests.stack import RedisServer, Stack, create_database, drop_database, service_env

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_backfill_up_runs_a_batch(tmp_path: Path) -> None:
-    from devfleet.processes import free_port
+    from backfill.devfleet.processes import free_port
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("BACKFILL_") or k == "BACKFILL_FLEET_HOME"}

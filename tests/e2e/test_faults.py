@@ -36,8 +36,8 @@ import psycopg
 import pytest
 import redis
 
-from devfleet.faultproxy import FaultProxy
-from devfleet.processes import free_port
+from backfill.devfleet.faultproxy import FaultProxy
+from backfill.devfleet.processes import free_port
 from tests.conftest import PG_ADMIN_URL
 from tests.e2e.conftest import FaultRecord, FaultReport, FleetInflight, SendCounter
 from tests.e2e.helpers import chat_line, jsonl, read_lines, upload
@@ -69,7 +69,7 @@ def faults_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 def faults_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """An S3 server of this module's own, its data in a folder that outlives a stop (so it can be
     stopped mid-batch and started again on the same port with every object still there)."""
-    from devfleet.s3 import SeaweedS3
+    from backfill.devfleet.s3 import SeaweedS3
 
     server = SeaweedS3(data_dir=tmp_path_factory.mktemp("faults-s3"))
     with server:

@@ -15,7 +15,7 @@ from typing import Any
 import openai
 import pytest
 
-from devfleet.processes import free_port
+from backfill.devfleet.processes import free_port
 from tests.conftest import PG_ADMIN_URL
 from tests.e2e.helpers import MODEL
 from tests.stack import Stack, create_database, drop_database, service_env

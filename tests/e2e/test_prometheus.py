@@ -24,7 +24,7 @@ import httpx
 import openai
 import pytest
 
-from devfleet.processes import free_port
+from backfill.devfleet.processes import free_port
 from tests.e2e.helpers import MODEL, chat_line, jsonl, upload, wait_for
 from tests.stack import Stack
 

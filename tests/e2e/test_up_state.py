@@ -44,7 +44,7 @@ def _read(path: Path) -> str:
 @pytest.fixture(scope="module")
 def up_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpRun]:
     """One `backfill up` in an empty working directory, one batch through it, then stopped."""
-    from devfleet.processes import free_port
+    from backfill.devfleet.processes import free_port
 
     tmp = tmp_path_factory.mktemp("up")
     cwd, home, out = tmp / "cwd", tmp / "home", tmp / "up.out"

@@ -9,7 +9,7 @@ can say what reached the engine, not only what came back.
 
 Each batch goes through the official `openai` SDK; every output body is validated strictly
 against the SDK's model for its endpoint (see tests/contract/test_result_fidelity.py).
-vLLM is installed by `python -m devfleet install`; when it is missing the fixtures install it,
+vLLM is installed by `python -m backfill.devfleet install`; when it is missing the fixtures install it,
 and a failed install fails these tests (it never skips them).
 """
 
@@ -29,8 +29,8 @@ import httpx
 import openai
 import pytest
 
-from devfleet.processes import free_port
-from devfleet.vllm import MODEL_NAME, VllmServer, build_vllm_model, ensure_vllm_venv
+from backfill.devfleet.processes import free_port
+from backfill.devfleet.vllm import MODEL_NAME, VllmServer, build_vllm_model, ensure_vllm_venv
 from tests.conftest import PG_ADMIN_URL
 from tests.contract.test_result_fidelity import (
     assert_error_line,

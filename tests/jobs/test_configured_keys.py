@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs.errors import Unauthorized
-from jobs.teams import authenticate, create_key, ensure_key, get_or_create_team
-from storage.settings import Settings
+from backfill.jobs.errors import Unauthorized
+from backfill.jobs.teams import authenticate, create_key, ensure_key, get_or_create_team
+from backfill.storage.settings import Settings
 
 
 def _works(session: Session, key: str) -> bool:

@@ -8,12 +8,12 @@ from datetime import timedelta
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs import billing, forecast
-from jobs.billing_models import UsageLedgerEntry
-from jobs.claims import claim_requests
-from jobs.models import Batch, BatchStatus, Team, utcnow
-from jobs.replies import Outcome, Usage
-from jobs.results import record_outcome
+from backfill.jobs import billing, forecast
+from backfill.jobs.billing_models import UsageLedgerEntry
+from backfill.jobs.claims import claim_requests
+from backfill.jobs.models import Batch, BatchStatus, Team, utcnow
+from backfill.jobs.replies import Outcome, Usage
+from backfill.jobs.results import record_outcome
 from tests.factories import make_batch
 
 

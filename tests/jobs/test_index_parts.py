@@ -13,10 +13,10 @@ import pytest
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs import output, sweeps, validation
-from jobs.models import Batch, BatchRequest, BatchStatus, RequestState, utcnow
-from jobs.validation import apply_validation, write_index_parts
-from storage.objects import LocalObjectStore
+from backfill.jobs import output, sweeps, validation
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, RequestState, utcnow
+from backfill.jobs.validation import apply_validation, write_index_parts
+from backfill.storage.objects import LocalObjectStore
 from tests.jobs.test_validation_index import _new_batch, _stored, _validated
 
 LINES = 40

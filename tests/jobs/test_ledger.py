@@ -10,14 +10,14 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs import billing, quotas
-from jobs.billing_models import Price, UsageLedgerEntry
-from jobs.claims import claim_requests, release_for_retry
-from jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
-from jobs.replies import Outcome, Usage
-from jobs.results import record_outcome
-from jobs.usage import align, usage_totals
-from jobs.validation import ValidationResult, apply_validation
+from backfill.jobs import billing, quotas
+from backfill.jobs.billing_models import Price, UsageLedgerEntry
+from backfill.jobs.claims import claim_requests, release_for_retry
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
+from backfill.jobs.replies import Outcome, Usage
+from backfill.jobs.results import record_outcome
+from backfill.jobs.usage import align, usage_totals
+from backfill.jobs.validation import ValidationResult, apply_validation
 from tests.factories import make_batch
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")

@@ -8,15 +8,15 @@ from datetime import timedelta
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs import billing
-from jobs.batches import create_batch
-from jobs.billing_models import UsageLedgerEntry
-from jobs.claims import claim_requests
-from jobs.models import Batch, BatchRequest, BatchStatus, File, Team, utcnow
-from jobs.replies import Outcome, Usage
-from jobs.results import record_outcomes
-from jobs.teams import create_key
-from jobs.usage import usage_totals
+from backfill.jobs import billing
+from backfill.jobs.batches import create_batch
+from backfill.jobs.billing_models import UsageLedgerEntry
+from backfill.jobs.claims import claim_requests
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, File, Team, utcnow
+from backfill.jobs.replies import Outcome, Usage
+from backfill.jobs.results import record_outcomes
+from backfill.jobs.teams import create_key
+from backfill.jobs.usage import usage_totals
 
 WINDOWS = {"24h": 24 * 3600}
 

@@ -8,12 +8,12 @@ import secrets
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs import billing
-from jobs.claims import claim_requests
-from jobs.metrics import batches_by_status, lines_by_state, usage_metrics
-from jobs.models import BatchStatus, Team
-from jobs.replies import Outcome, Usage
-from jobs.results import record_outcomes
+from backfill.jobs import billing
+from backfill.jobs.claims import claim_requests
+from backfill.jobs.metrics import batches_by_status, lines_by_state, usage_metrics
+from backfill.jobs.models import BatchStatus, Team
+from backfill.jobs.replies import Outcome, Usage
+from backfill.jobs.results import record_outcomes
 from tests.factories import make_batch
 
 

@@ -17,12 +17,12 @@ import pytest
 from sqlalchemy import event, func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs import output
-from jobs.batches import cancel_batch
-from jobs.errors import Conflict
-from jobs.models import Batch, BatchRequest, BatchStatus, File, RequestState, Team, utcnow
-from jobs.output import derived_file_id, finalize_batch, output_key
-from storage.objects import LocalObjectStore
+from backfill.jobs import output
+from backfill.jobs.batches import cancel_batch
+from backfill.jobs.errors import Conflict
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, File, RequestState, Team, utcnow
+from backfill.jobs.output import derived_file_id, finalize_batch, output_key
+from backfill.storage.objects import LocalObjectStore
 
 # line -> state; answered lines (succeeded, failed) carry the fleet's reply.
 LINES = {
@@ -482,8 +482,8 @@ def test_expiry_writes_only_the_running_lines_and_finalization_settles_the_pendi
     """Expiring a batch is not one write per line: its running lines become expired (so their
     late answers are dropped), its pending lines stay pending, and finalization writes every
     one of them as batch_expired; nothing claims a line of the finalizing batch meanwhile."""
-    from jobs.claims import claim_requests
-    from jobs.sweeps import expire_overdue
+    from backfill.jobs.claims import claim_requests
+    from backfill.jobs.sweeps import expire_overdue
 
     store = LocalObjectStore(tmp_path / "objects")
     states = {1: RequestState.succeeded, 2: RequestState.running, 3: RequestState.pending, 4: RequestState.pending}
@@ -532,7 +532,7 @@ def test_a_claim_in_flight_when_the_batch_expires_is_waited_for_and_its_lines_ex
     sees its lines running and expires them; a claim after the expiry takes nothing. Without
     the wait the claim's lines would stay running in a finalizing batch, run after the
     window closed, and hold its finalization back."""
-    from jobs.claims import claim_requests
+    from backfill.jobs.claims import claim_requests
 
     if db.kw["bind"].dialect.name != "postgresql":
         pytest.skip("SQLite has one writer at a time: a claim and an expiry cannot overlap there")
@@ -563,7 +563,7 @@ def test_a_claim_in_flight_when_the_batch_expires_is_waited_for_and_its_lines_ex
 
 
 def _expire(db: sessionmaker[Session]) -> list[str]:
-    from jobs.sweeps import expire_overdue
+    from backfill.jobs.sweeps import expire_overdue
 
     with db.begin() as s:
         return expire_overdue(s)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from jobs.prefixes import (
+from backfill.jobs.prefixes import (
     BLOCK_TOKENS,
     FINGERPRINT_BYTES,
     TextBlocks,
@@ -16,8 +16,8 @@ from jobs.prefixes import (
     plan_prefix_order,
     tokenizer_blocks,
 )
-from jobs.validation import Limits, validate_lines
-from jobs.validation_lines import prompt_text
+from backfill.jobs.validation import Limits, validate_lines
+from backfill.jobs.validation_lines import prompt_text
 
 CHAT = "/v1/chat/completions"
 LIMITS = Limits(max_requests=1000, max_line_bytes=1 << 20, max_errors=10)
@@ -132,7 +132,7 @@ def test_validation_keeps_unshared_lines_in_groups_of_their_own() -> None:
 def tiny_model() -> Path:
     path = ROOT / ".fleet" / "models" / "tiny-chat"
     if not (path / "tokenizer.json").exists():
-        from devfleet.model import build_tiny_model
+        from backfill.devfleet.model import build_tiny_model
 
         return Path(build_tiny_model(ROOT / ".fleet" / "models" / "tiny-chat", name="tiny-chat"))
     return path

@@ -7,8 +7,8 @@ from fractions import Fraction
 
 import pytest
 
-from jobs.billing import Rates, component_cost, format_micros, parse_money, price_request
-from jobs.errors import InvalidRequest
+from backfill.jobs.billing import Rates, component_cost, format_micros, parse_money, price_request
+from backfill.jobs.errors import InvalidRequest
 
 
 def _reference(tokens: int, rate: int, discount: int) -> int:

@@ -15,9 +15,9 @@ import pytest
 from sqlalchemy import select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs import sweeps
-from jobs.claims import _served_since
-from jobs.models import RUNNING_LINES, BatchRequest, RequestState, Team, utcnow
+from backfill.jobs import sweeps
+from backfill.jobs.claims import _served_since
+from backfill.jobs.models import RUNNING_LINES, BatchRequest, RequestState, Team, utcnow
 from tests.factories import make_batch
 
 LINES = 20_000

@@ -10,13 +10,13 @@ from sqlalchemy import func, select, text
 from sqlalchemy.exc import StatementError
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs import billing
-from jobs.billing_models import UsageLedgerEntry
-from jobs.claims import claim_requests
-from jobs.models import Batch, BatchRequest, BatchStatus, RequestState, Team, utcnow
-from jobs.replies import Outcome, Usage
-from jobs.results import record_outcomes
-from jobs.sweeps import batches_to_finalize, expire_overdue
+from backfill.jobs import billing
+from backfill.jobs.billing_models import UsageLedgerEntry
+from backfill.jobs.claims import claim_requests
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, RequestState, Team, utcnow
+from backfill.jobs.replies import Outcome, Usage
+from backfill.jobs.results import record_outcomes
+from backfill.jobs.sweeps import batches_to_finalize, expire_overdue
 from tests.factories import make_batch
 
 

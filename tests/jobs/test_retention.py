@@ -8,10 +8,10 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs.models import Batch, BatchRequest, BatchStatus, File, RequestState, new_id, utcnow
-from jobs.retention import RetentionPolicy, run_retention
-from jobs.teams import get_or_create_team
-from storage.objects import LocalObjectStore
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, File, RequestState, new_id, utcnow
+from backfill.jobs.retention import RetentionPolicy, run_retention
+from backfill.jobs.teams import get_or_create_team
+from backfill.storage.objects import LocalObjectStore
 
 LATER = timedelta(hours=2)  # past every grace period below
 

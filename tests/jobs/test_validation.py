@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import json
 
-from jobs.validation import Limits, iter_lines, iter_lines_bounded, validate_lines
+from backfill.jobs.validation import Limits, iter_lines, iter_lines_bounded, validate_lines
 
 LIMITS = Limits(max_requests=100, max_line_bytes=10_000, max_errors=5)
 

@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-import jobs.validation as validation
-from jobs.prefixes import FINGERPRINT_BYTES, MAX_BLOCKS, TextBlocks
-from jobs.validation import INDEX_COLUMNS, Limits, LineScan, RequestIndex, scan_lines
-from jobs.validation_lines import (
+import backfill.jobs.validation as validation
+from backfill.jobs.prefixes import FINGERPRINT_BYTES, MAX_BLOCKS, TextBlocks
+from backfill.jobs.validation import INDEX_COLUMNS, Limits, LineScan, RequestIndex, scan_lines
+from backfill.jobs.validation_lines import (
     INT32_MAX,
     MAX_BODY_DEPTH,
     SeenIds,

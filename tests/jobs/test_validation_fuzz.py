@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
-from jobs.validation import Limits, apply_validation, validate_lines
-from storage.db import make_engine
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
+from backfill.jobs.validation import Limits, apply_validation, validate_lines
+from backfill.storage.db import make_engine
 
 CHAT = "/v1/chat/completions"
 MAX_LINE_BYTES = 4096

@@ -19,9 +19,9 @@ from sqlalchemy import create_engine, select, text
 from sqlalchemy.exc import DataError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs.catalog import FleetUnavailable
-from jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
-from jobs.validation import (
+from backfill.jobs.catalog import FleetUnavailable
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
+from backfill.jobs.validation import (
     Limits,
     ValidationResult,
     apply_validation,
@@ -30,7 +30,7 @@ from jobs.validation import (
     validate_lines,
     validation_failure_message,
 )
-from storage.db import make_engine
+from backfill.storage.db import make_engine
 
 CHAT = "/v1/chat/completions"
 LIMITS = Limits(max_requests=1000, max_line_bytes=100_000, max_errors=100)

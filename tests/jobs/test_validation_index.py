@@ -14,8 +14,15 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs.models import Batch, BatchRequest, BatchStatus, RequestState, Team, utcnow
-from jobs.validation import INDEX_COLUMNS, Limits, RequestIndex, ValidationResult, apply_validation, validate_lines
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, RequestState, Team, utcnow
+from backfill.jobs.validation import (
+    INDEX_COLUMNS,
+    Limits,
+    RequestIndex,
+    ValidationResult,
+    apply_validation,
+    validate_lines,
+)
 
 CHAT = "/v1/chat/completions"
 SHARED = "You are a careful assistant who reads the whole attached document before answering. " * 8

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from jobs import validation_parallel as vp
-from jobs.validation import Limits, ValidationResult, finish_validation, validate_lines
-from storage.objects import LocalObjectStore, ObjectStore, S3ObjectStore
+from backfill.jobs import validation_parallel as vp
+from backfill.jobs.validation import Limits, ValidationResult, finish_validation, validate_lines
+from backfill.storage.objects import LocalObjectStore, ObjectStore, S3ObjectStore
 
 CHAT = "/v1/chat/completions"
 LIMITS = Limits(max_requests=10_000, max_line_bytes=800, max_errors=50)

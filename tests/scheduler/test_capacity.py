@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from scheduler.capacity import ControlConfig, Controller, ObsDelta, Slo, shed_count
-from scheduler.telemetry import (
+from backfill.scheduler.capacity import ControlConfig, Controller, ObsDelta, Slo, shed_count
+from backfill.scheduler.telemetry import (
     Endpoint,
     FleetSnapshot,
     FrontendStats,

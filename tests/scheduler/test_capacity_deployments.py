@@ -9,10 +9,10 @@ import secrets
 import time
 from collections.abc import Callable
 
-from scheduler.admission import Admission, limit_key, pool_of, shed_key
-from scheduler.capacity import CapacityLoop, ControlConfig, Controller, FleetCapacityLoop, Slo
-from scheduler.leases import RedisLeaseStore
-from scheduler.telemetry import FleetSnapshot
+from backfill.scheduler.admission import Admission, limit_key, pool_of, shed_key
+from backfill.scheduler.capacity import CapacityLoop, ControlConfig, Controller, FleetCapacityLoop, Slo
+from backfill.scheduler.leases import RedisLeaseStore
+from backfill.scheduler.telemetry import FleetSnapshot
 from tests.scheduler.test_capacity import snap
 
 SLO = Slo(ttft_s=0.2, itl_s=0.020)

@@ -14,16 +14,16 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
-from jobs.files import file_key
-from jobs.models import Batch, BatchRequest, BatchStatus, RequestState, Team, utcnow
-from scheduler.admission import LIMIT_KEY, Admission
-from scheduler.capacity import CapacityLoop, ControlConfig, Controller, Slo
-from scheduler.dispatcher import Dispatcher
-from scheduler.fleet import FleetClient
-from scheduler.leases import RedisLeaseStore
-from scheduler.telemetry import FleetTelemetry, parse_endpoints
-from storage.db import unit_of_work
-from storage.objects import get_object_store
+from backfill.jobs.files import file_key
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, RequestState, Team, utcnow
+from backfill.scheduler.admission import LIMIT_KEY, Admission
+from backfill.scheduler.capacity import CapacityLoop, ControlConfig, Controller, Slo
+from backfill.scheduler.dispatcher import Dispatcher
+from backfill.scheduler.fleet import FleetClient
+from backfill.scheduler.leases import RedisLeaseStore
+from backfill.scheduler.telemetry import FleetTelemetry, parse_endpoints
+from backfill.storage.db import unit_of_work
+from backfill.storage.objects import get_object_store
 from tests.scheduler.test_reclaim import lines_of
 from tests.scheduler.test_reclaim import scratch_db as scratch_db  # the fixture
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from scheduler.leases import LeaseStore, RedisLeaseStore, SqlLeaseStore
+from backfill.scheduler.leases import LeaseStore, RedisLeaseStore, SqlLeaseStore
 
 
 @pytest.fixture(params=["redis", "sql"])
@@ -18,7 +18,7 @@ def store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         url = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379") + "/10"
         yield RedisLeaseStore(url, namespace=f"t-{uuid.uuid4().hex[:8]}")
         return
-    from storage import db, settings
+    from backfill.storage import db, settings
 
     home = tmp_path_factory.mktemp("leases")
     os.environ["BACKFILL_HOME"] = str(home)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 
-from jobs.sweeps import PendingBatch
-from scheduler.policy import FairPlanner, PolicyConfig, plan, threatened
+from backfill.jobs.sweeps import PendingBatch
+from backfill.scheduler.policy import FairPlanner, PolicyConfig, plan, threatened
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 

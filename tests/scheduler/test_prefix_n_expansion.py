@@ -8,9 +8,9 @@ from typing import Any
 import orjson
 import pytest
 
-from jobs.n_choices import MAX_EXPANDED_N, merge_choices, split_n
-from scheduler.fleet import FleetClient, FleetReply
-from scheduler.n_expansion import post_request
+from backfill.jobs.n_choices import MAX_EXPANDED_N, merge_choices, split_n
+from backfill.scheduler.fleet import FleetClient, FleetReply
+from backfill.scheduler.n_expansion import post_request
 
 CHAT = "/v1/chat/completions"
 

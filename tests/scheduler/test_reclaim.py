@@ -14,15 +14,15 @@ from datetime import timedelta
 import orjson
 import pytest
 
-from jobs.models import Batch, BatchRequest, BatchStatus, RequestState, Team, utcnow
-from jobs.results import ATTEMPTS_EXCEEDED
-from scheduler.dispatcher import DRAIN_POOL
-from scheduler.leases import RedisLeaseStore, SqlLeaseStore
-from scheduler.ticker import Reconciler, Ticker
-from storage import db as storage_db
-from storage import objects, settings
-from storage.broker import TaskName
-from storage.db import unit_of_work
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, RequestState, Team, utcnow
+from backfill.jobs.results import ATTEMPTS_EXCEEDED
+from backfill.scheduler.dispatcher import DRAIN_POOL
+from backfill.scheduler.leases import RedisLeaseStore, SqlLeaseStore
+from backfill.scheduler.ticker import Reconciler, Ticker
+from backfill.storage import db as storage_db
+from backfill.storage import objects, settings
+from backfill.storage.broker import TaskName
+from backfill.storage.db import unit_of_work
 from tests.stack import create_database, drop_database
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")

@@ -13,12 +13,12 @@ import psycopg
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
-from jobs.claims import ClaimedRequest
-from jobs.models import Batch, RequestState
-from jobs.results import ATTEMPTS_EXCEEDED
-from scheduler.fleet import FleetReply
-from scheduler.recorder import Done, Recorder
-from storage.db import unit_of_work
+from backfill.jobs.claims import ClaimedRequest
+from backfill.jobs.models import Batch, RequestState
+from backfill.jobs.results import ATTEMPTS_EXCEEDED
+from backfill.scheduler.fleet import FleetReply
+from backfill.scheduler.recorder import Done, Recorder
+from backfill.storage.db import unit_of_work
 from tests.scheduler.test_reclaim import PG_ADMIN_URL, lines_of, running_batch
 from tests.scheduler.test_reclaim import scratch_db as scratch_db  # the fixture
 

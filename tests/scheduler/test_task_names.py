@@ -1,9 +1,9 @@
-"""Every task name in `storage.broker` has a body in `scheduler.tasks` and a queue of its own."""
+"""Every task name in `storage.broker` has a body in `backfill.scheduler.tasks` and a queue of its own."""
 
 from __future__ import annotations
 
-import scheduler.tasks  # noqa: F401  (registers the bodies, as `backfill worker` does)
-from storage.broker import QUEUE_OF, QueueName, TaskName, celery_app
+import backfill.scheduler.tasks  # noqa: F401  (registers the bodies, as `backfill worker` does)
+from backfill.storage.broker import QUEUE_OF, QueueName, TaskName, celery_app
 
 
 def test_every_task_name_has_a_body_on_its_queue() -> None:

@@ -11,14 +11,14 @@ import pytest
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from jobs import sweeps
-from jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
-from scheduler.leases import SqlLeaseStore
-from scheduler.ticker import Ticker
-from storage import db as storage_db
-from storage import objects, settings
-from storage.broker import TaskName
-from storage.db import unit_of_work
+from backfill.jobs import sweeps
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
+from backfill.scheduler.leases import SqlLeaseStore
+from backfill.scheduler.ticker import Ticker
+from backfill.storage import db as storage_db
+from backfill.storage import objects, settings
+from backfill.storage.broker import TaskName
+from backfill.storage.db import unit_of_work
 from tests.stack import create_database, drop_database
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -113,7 +113,7 @@ def test_an_expired_batch_is_finalized_on_the_tick_after_its_last_running_line_i
     """A batch that expires while a drain is recording one of its lines keeps that line running
     (`expire_overdue` skips it); finalization must come once it is recorded, not a re-nudge
     interval (30 s) later, which a nudge spent while the line still ran used to cost."""
-    from jobs.models import RequestState
+    from backfill.jobs.models import RequestState
 
     with unit_of_work() as s:
         team = Team(name="ticker-expiry")
@@ -154,8 +154,8 @@ def test_a_batch_that_expires_while_a_line_is_recorded_is_finalized_in_the_same_
 
     from sqlalchemy import select
 
-    from jobs.models import RequestState
-    from storage.db import get_engine
+    from backfill.jobs.models import RequestState
+    from backfill.storage.db import get_engine
 
     with unit_of_work() as s:
         team = Team(name="ticker-settle")

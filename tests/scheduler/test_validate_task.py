@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from jobs.models import Batch, BatchRequest, BatchStatus, File, utcnow
-from jobs.teams import get_or_create_team
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, File, utcnow
+from backfill.jobs.teams import get_or_create_team
 
 
 def _lines(n: int) -> bytes:
@@ -24,11 +24,11 @@ def _lines(n: int) -> bytes:
 
 
 def _reset() -> None:
-    from jobs import catalog
-    from scheduler import leases
-    from storage.db import _session_factory, get_engine
-    from storage.objects import get_object_store
-    from storage.settings import get_settings
+    from backfill.jobs import catalog
+    from backfill.scheduler import leases
+    from backfill.storage.db import _session_factory, get_engine
+    from backfill.storage.objects import get_object_store
+    from backfill.storage.settings import get_settings
 
     if get_engine.cache_info().currsize:
         get_engine().dispose()
@@ -52,8 +52,8 @@ def env(scratch_pg_url: str, redis_url: str, fleet: object, tmp_path: Path) -> I
 
 
 def _batch(content: bytes | None) -> str:
-    from storage.db import unit_of_work
-    from storage.objects import get_object_store
+    from backfill.storage.db import unit_of_work
+    from backfill.storage.objects import get_object_store
 
     with unit_of_work() as s:
         team = get_or_create_team(s, name=f"t-{secrets.token_hex(4)}").id
@@ -76,7 +76,7 @@ def _batch(content: bytes | None) -> str:
 
 
 def _status(batch_id: str) -> tuple[BatchStatus, list[dict[str, object]] | None]:
-    from storage.db import unit_of_work
+    from backfill.storage.db import unit_of_work
 
     with unit_of_work() as s:
         b = s.get(Batch, batch_id)
@@ -85,8 +85,8 @@ def _status(batch_id: str) -> tuple[BatchStatus, list[dict[str, object]] | None]
 
 
 def test_validates_and_a_second_message_while_one_runs_does_nothing(env: pytest.MonkeyPatch) -> None:
-    from scheduler.leases import exclusive_lease, get_lease_store
-    from scheduler.tasks import validate_batch
+    from backfill.scheduler.leases import exclusive_lease, get_lease_store
+    from backfill.scheduler.tasks import validate_batch
 
     batch_id = _batch(_lines(3))
     with exclusive_lease(get_lease_store(), f"validate:{batch_id}", ttl_s=30) as mine:
@@ -97,7 +97,7 @@ def test_validates_and_a_second_message_while_one_runs_does_nothing(env: pytest.
 
 
 def test_an_unexpected_failure_fails_the_batch_with_a_clear_error(env: pytest.MonkeyPatch) -> None:
-    from scheduler.tasks import validate_batch
+    from backfill.scheduler.tasks import validate_batch
 
     batch_id = _batch(None)  # the input object is gone: no retry can bring it back
     assert validate_batch(batch_id) == BatchStatus.failed
@@ -107,7 +107,7 @@ def test_an_unexpected_failure_fails_the_batch_with_a_clear_error(env: pytest.Mo
 
 
 def test_an_unreachable_fleet_leaves_the_batch_to_the_next_nudge(env: pytest.MonkeyPatch) -> None:
-    from scheduler.tasks import validate_batch
+    from backfill.scheduler.tasks import validate_batch
 
     batch_id = _batch(_lines(1))
     env.setenv("BACKFILL_FLEET_URLS", "http://127.0.0.1:9/v1")
@@ -119,9 +119,9 @@ def test_an_unreachable_fleet_leaves_the_batch_to_the_next_nudge(env: pytest.Mon
 def test_a_validation_stopped_while_writing_its_index_is_resumed_by_the_next_nudge(env: pytest.MonkeyPatch) -> None:
     from contextlib import contextmanager
 
-    from jobs import sweeps, validation
-    from scheduler.tasks import validate_batch
-    from storage.db import unit_of_work
+    from backfill.jobs import sweeps, validation
+    from backfill.scheduler.tasks import validate_batch
+    from backfill.storage.db import unit_of_work
 
     env.setattr(validation, "FIRST_INDEX_PART", 5)
     env.setattr(validation, "INDEX_PART", 10)

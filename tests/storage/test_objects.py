@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from storage.objects import PART_BYTES, LocalObjectStore, ObjectStore, ObjectTooLarge, S3ObjectStore, blocks
+from backfill.storage.objects import PART_BYTES, LocalObjectStore, ObjectStore, ObjectTooLarge, S3ObjectStore, blocks
 
 BUCKET = "backfill-test"
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,7 +131,7 @@ def test_a_failure_mid_stream_leaves_nothing_at_the_key(store: ObjectStore, tmp_
 KILLED_WRITER = """
 import os, sys
 from pathlib import Path
-from storage.objects import LocalObjectStore, S3ObjectStore, PART_BYTES
+from backfill.storage.objects import LocalObjectStore, S3ObjectStore, PART_BYTES
 kind, key, where = sys.argv[1], sys.argv[2], sys.argv[3:]
 if kind == "local":
     store = LocalObjectStore(Path(where[0]))
