@@ -2,7 +2,9 @@
 
 Such a request is sent as n requests of one choice each, all at once so they share the
 prompt's KV, and their answers are put back together as the one OpenAI response the client
-asked for: choices indexed 0..n-1, usage summed over what the fleet ran.
+asked for: choices indexed 0..n-1. Usage is what OpenAI bills for n choices: the prompt once
+(the first request's prompt_tokens and its cached share), the completions of every choice, and
+the total of the two; the n-1 extra prompt passes are the fleet's cost, not the client's.
 """
 
 from __future__ import annotations
@@ -53,8 +55,27 @@ def merge_choices(parts: Sequence[bytes]) -> bytes:
         raise ValueError("no responses to merge")
     merged = {**merged, "choices": choices}
     if usage:
-        merged["usage"] = usage
+        merged["usage"] = _prompt_once(usage, merged.get("usage"))
     return orjson.dumps(merged)
+
+
+PROMPT_FIELDS = ("prompt_tokens", "prompt_tokens_details")
+
+
+def _prompt_once(summed: dict[str, Any], first: Any) -> dict[str, Any]:
+    """The summed usage with the prompt's counts put back to the first response's (it ran the
+    prompt the client sent once), and the total recomputed from the two parts."""
+    out = dict(summed)
+    first = first if isinstance(first, dict) else {}
+    for key in PROMPT_FIELDS:
+        if key in first:
+            out[key] = first[key]
+        else:
+            out.pop(key, None)
+    prompt, completion = out.get("prompt_tokens"), out.get("completion_tokens")
+    if isinstance(prompt, int) and isinstance(completion, int) and "total_tokens" in out:
+        out["total_tokens"] = prompt + completion
+    return out
 
 
 def _sum_counts(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

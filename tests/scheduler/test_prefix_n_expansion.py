@@ -9,6 +9,7 @@ import orjson
 import pytest
 
 from backfill.jobs.n_choices import MAX_EXPANDED_N, merge_choices, split_n
+from backfill.jobs.replies import usage_from_body
 from backfill.scheduler.fleet import FleetClient, FleetReply
 from backfill.scheduler.n_expansion import post_request
 
@@ -25,7 +26,10 @@ def test_split_n_gives_distinct_seeds_and_leaves_single_choices_alone() -> None:
     assert len(split_n("/v1/completions", {"prompt": "x", "n": 2}) or []) == 2
 
 
-def test_merge_indexes_choices_and_sums_usage() -> None:
+def test_merge_indexes_choices_and_bills_the_prompt_once() -> None:
+    """OpenAI bills an n-choice request's input once: the merged usage (what the ledger bills)
+    counts the prompt of one request, the completions of all."""
+
     def reply(text: str, cached: int) -> bytes:
         return orjson.dumps(
             {
@@ -46,11 +50,13 @@ def test_merge_indexes_choices_and_sums_usage() -> None:
     assert merged["id"] == "id-a" and merged["object"] == "chat.completion"
     assert [(c["index"], c["message"]["content"]) for c in merged["choices"]] == [(0, "a"), (1, "b"), (2, "c")]
     assert merged["usage"] == {
-        "prompt_tokens": 30,
+        "prompt_tokens": 10,
         "completion_tokens": 12,
-        "total_tokens": 42,
-        "prompt_tokens_details": {"cached_tokens": 16},
+        "total_tokens": 22,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
+    usage = usage_from_body(merged)  # what record_usage bills
+    assert (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens) == (10, 0, 12)
 
 
 @pytest.mark.slow
@@ -78,9 +84,8 @@ def test_expanded_request_on_the_mocker_comes_back_as_one_response(fleet: Any) -
     assert [c["index"] for c in merged["choices"]] == [0, 1, 2]
     assert merged["usage"]["completion_tokens"] == 15
     one_prompt = orjson.loads(plain.body)["usage"]["prompt_tokens"]
-    assert merged["usage"]["prompt_tokens"] == 3 * one_prompt
-    # Sent together, the samples share the prompt's blocks (this prompt was also sent just before).
-    assert merged["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert merged["usage"]["prompt_tokens"] == one_prompt  # the input is billed once
+    assert merged["usage"]["total_tokens"] == one_prompt + 15
 
 
 @pytest.mark.slow
