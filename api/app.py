@@ -29,11 +29,9 @@ def install_configured_keys(tries: int = 3) -> None:
     settings = get_settings()
     for left in range(tries - 1, -1, -1):
         try:
-            with unit_of_work() as session:
-                if settings.bootstrap_api_key:
-                    ensure_key(session, team_name="default", raw_key=settings.bootstrap_api_key)
-                if settings.admin_api_key:
-                    ensure_key(session, team_name="admin", raw_key=settings.admin_api_key, is_admin=True)
+            with unit_of_work() as session:  # an unset variable revokes the key it configured before
+                ensure_key(session, team_name="default", raw_key=settings.bootstrap_api_key)
+                ensure_key(session, team_name="admin", raw_key=settings.admin_api_key, is_admin=True)
             return
         except IntegrityError:
             if not left:

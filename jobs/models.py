@@ -24,6 +24,7 @@ from sqlalchemy import (
     String,
     Text,
     TypeDecorator,
+    false,
     text,
 )
 from sqlalchemy.engine import Dialect
@@ -113,6 +114,11 @@ class ApiKey(Base):
     is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+    # Installed from BACKFILL_BOOTSTRAP_API_KEY / BACKFILL_ADMIN_API_KEY (not its name: free text).
+    configured: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # Why it was revoked: "rotated" (another key was configured: configuring it again restores
+    # it) or "revoked" (by an admin: never undone); None while valid, or revoked before 0010.
+    revoked_reason: Mapped[str | None] = mapped_column(String(16), nullable=True)
 
 
 class File(Base):

@@ -82,35 +82,77 @@ def create_key(session: Session, *, team_id: str, name: str = "", is_admin: bool
 
 CONFIGURED_BOOTSTRAP = "configured bootstrap"
 CONFIGURED_ADMIN = "configured admin"
-LEGACY_CONFIGURED = "configured"  # keys installed before the two kinds had names of their own
+ROTATED = "rotated"  # revoked because another key was configured: configuring it again restores it
+REVOKED = "revoked"  # revoked by an admin: never undone by a configuration
+
+
+class ConfiguredKeyRefused(Exception):
+    """The configuration names a key an admin revoked. Start-up stops rather than serve a key
+    that every request would be refused with (or quietly undo a revocation, e.g. of a leak)."""
 
 
 def ensure_key(session: Session, *, team_name: str, raw_key: str, is_admin: bool = False) -> None:
-    """Install a configured key (bootstrap or admin) idempotently. It is the only configured key
-    of its kind: installing a new value revokes the previous one (rotation)."""
+    """Make `raw_key` the team's one configured key of its kind (bootstrap or admin), idempotently.
+
+    Configured keys are marked by `ApiKey.configured`, never found by name (an admin may name any
+    key "configured"), and rotation stays in the team: installing a new value revokes the team's
+    previous configured key of that kind; an empty `raw_key` (the variable unset) revokes it and
+    installs none. A key rotation revoked is restored when configured again (A, B, A: A works),
+    since the configuration revoked it; one an admin revoked raises ConfiguredKeyRefused."""
+    if not raw_key:
+        team = session.execute(select(Team).where(Team.name == team_name)).scalar_one_or_none()
+        if team is not None:
+            _rotate_out(session, team_id=team.id, is_admin=is_admin, keep_hash=None)
+        session.flush()
+        return
     team = get_or_create_team(session, name=team_name)
     digest = hash_key(raw_key)
-    name = CONFIGURED_ADMIN if is_admin else CONFIGURED_BOOTSTRAP
-    now = utcnow()
-    session.execute(
-        update(ApiKey)
-        .where(
-            ApiKey.name.in_([name, LEGACY_CONFIGURED]),
-            ApiKey.is_admin == is_admin,
-            ApiKey.key_hash != digest,
-            ApiKey.revoked_at.is_(None),
-        )
-        .values(revoked_at=now)
-        .execution_options(synchronize_session=False)
-    )
     existing = session.execute(select(ApiKey).where(ApiKey.key_hash == digest)).scalar_one_or_none()
-    if existing is None:
-        session.add(
-            ApiKey(team_id=team.id, name=name, prefix=visible_prefix(raw_key), key_hash=digest, is_admin=is_admin)
+    if existing is not None and existing.revoked_at is not None and existing.revoked_reason != ROTATED:
+        variable = "BACKFILL_ADMIN_API_KEY" if is_admin else "BACKFILL_BOOTSTRAP_API_KEY"
+        raise ConfiguredKeyRefused(
+            f"{variable} ({visible_prefix(raw_key)}****) was revoked by an admin on "
+            f"{existing.revoked_at:%Y-%m-%d %H:%M} UTC; a revoked key is not restored by configuring it "
+            f"again: configure a new key in {variable}"
+            + (" (or leave it unset and delete the home's bootstrap_key file)" if not is_admin else "")
         )
-    elif existing.name != name and existing.is_admin == is_admin:
-        existing.name = name  # a key from before kinds were named; a revoked key stays revoked
+    if existing is not None and (existing.team_id != team.id or existing.is_admin != is_admin):
+        raise ConfiguredKeyRefused(
+            f"the key configured for team {team_name!r} ({visible_prefix(raw_key)}****) already exists as "
+            f"another team's or kind's key; configure a new key"
+        )
+    _rotate_out(session, team_id=team.id, is_admin=is_admin, keep_hash=digest)
+    if existing is None:
+        name = CONFIGURED_ADMIN if is_admin else CONFIGURED_BOOTSTRAP
+        session.add(
+            ApiKey(
+                team_id=team.id,
+                name=name,
+                prefix=visible_prefix(raw_key),
+                key_hash=digest,
+                is_admin=is_admin,
+                configured=True,
+            )
+        )
+    else:
+        existing.configured = True
+        existing.revoked_at = existing.revoked_reason = None  # only ever a rotated key here
     session.flush()
+
+
+def _rotate_out(session: Session, *, team_id: str, is_admin: bool, keep_hash: str | None) -> None:
+    """Revoke the team's configured keys of this kind other than `keep_hash`, as rotated."""
+    query = update(ApiKey).where(
+        ApiKey.team_id == team_id,
+        ApiKey.configured.is_(True),
+        ApiKey.is_admin == is_admin,
+        ApiKey.revoked_at.is_(None),
+    )
+    if keep_hash is not None:
+        query = query.where(ApiKey.key_hash != keep_hash)
+    session.execute(
+        query.values(revoked_at=utcnow(), revoked_reason=ROTATED).execution_options(synchronize_session=False)
+    )
 
 
 def list_teams(session: Session) -> list[Team]:
@@ -142,8 +184,9 @@ def revoke_key(session: Session, *, key_id_or_prefix: str, team_id: str | None =
     if len(keys) > 1:
         raise Conflict(f"More than one key matches {key_id_or_prefix!r}; revoke it by id.", param="key")
     key = keys[0]
-    if key.revoked_at is None:
-        key.revoked_at = utcnow()
+    if key.revoked_at is None or key.revoked_reason == ROTATED:  # by hand now: never restored
+        key.revoked_at = key.revoked_at or utcnow()
+        key.revoked_reason = REVOKED
     session.flush()
     return key
 
