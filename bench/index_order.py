@@ -26,7 +26,9 @@ from pathlib import Path
 
 import psycopg
 
-from backfill.jobs.validation import Limits, RequestIndex, _row_columns, copy_text, validate_lines
+from backfill.jobs.index_writer import copy_text, row_columns
+from backfill.jobs.request_index import RequestIndex
+from backfill.jobs.validation import Limits, validate_lines
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 CHAT = "/v1/chat/completions"
@@ -61,7 +63,7 @@ def path_sorted_ranks(index: RequestIndex) -> array[int]:
 
 
 def copy_rows(url: str, rows: list[tuple[object, ...]]) -> float:
-    names, constants = _row_columns()
+    names, constants = row_columns()
     text = list(copy_text("b" * 24, rows, constants))
     statement = "COPY batch_requests ({}) FROM STDIN".format(", ".join(f'"{n}"' for n in names))
     with psycopg.connect(url) as conn:

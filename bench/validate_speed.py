@@ -8,9 +8,10 @@ Line shapes (`--line-shape`):
 - `scale200`: bench/scale.py's own lines (`write_input`): one user message, ~200 bytes;
 - `all`: both, one after the other.
 
-"Before" is the revision's jobs/validation.py with that revision's jobs/validation_lines.py and
-jobs/prefixes.py (the per-line checks and the prompt fingerprints); the rest of `jobs` is the
-working tree's.
+"Before" is the revision's jobs/validation.py with that revision's modules of validation
+(REVISION_MODULES: reading lines, the per-line checks and their fast path, the prompt
+fingerprints, the request index and the scan; those a revision lacks are skipped); the rest of
+`jobs` is the working tree's.
 
     .venv/bin/python -m bench.validate_speed                          # 50 MB of chat600, against HEAD
     .venv/bin/python -m bench.validate_speed --line-shape all --repeat 7
@@ -37,10 +38,17 @@ ROOT = Path(__file__).resolve().parent.parent
 CHUNK = 1024 * 1024
 SHAPES = ("chat600", "scale200")
 # The modules a revision's validation is made of, in import order: (module, path, its import name).
-REVISION_MODULES = (
-    ("validation_lines", "jobs/validation_lines.py", "jobs.validation_lines"),
-    ("prefixes", "jobs/prefixes.py", "jobs.prefixes"),
-    ("validation", "jobs/validation.py", "jobs.validation"),
+REVISION_MODULES = tuple(
+    (name, f"jobs/{name}.py", f"jobs.{name}")
+    for name in (
+        "input_lines",
+        "validation_lines",
+        "validation_fast",
+        "prefixes",
+        "request_index",
+        "validation_scan",
+        "validation",
+    )
 )
 
 
@@ -94,7 +102,8 @@ def load_revision(rev: str) -> ModuleType:
         if shown.returncode:  # not in that revision: its validation used none
             continue
         source = shown.stdout.decode()
-        for original, alias in loaded.items():
+        for original, alias in loaded.items():  # imported as jobs.x, or (since) as backfill.jobs.x
+            source = source.replace(f"from backfill.{original} import", f"from {alias} import")
             source = source.replace(f"from {original} import", f"from {alias} import")
         alias = f"{name}_before"
         file = tmp / f"{alias}.py"

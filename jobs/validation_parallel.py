@@ -3,7 +3,7 @@
 Checking a line is Python work (about 6 us a line), so one process validates a million-line
 file in seconds while the machine's other cores idle. A file past PARALLEL_MIN_BYTES is cut
 into byte ranges; a process per range reads its range from the object store itself and scans
-the lines that start in it (`jobs.validation.scan_lines`); the scans are merged in file order:
+the lines that start in it (`jobs.validation_scan.scan_lines`); the scans are merged in file order:
 line numbers shifted by the lines before each range, custom_ids checked across ranges, the
 request indexes joined. The whole-file checks then run once (`finish_validation`), so the
 result is the one a single pass gives.
@@ -25,7 +25,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
-from backfill.jobs.validation import (
+from backfill.jobs.input_lines import iter_lines_bounded
+from backfill.jobs.validation_lines import INT32_MAX, SeenIds, duplicate_id_message
+from backfill.jobs.validation_scan import (
     Limits,
     LineScan,
     ValidationResult,
@@ -34,7 +36,6 @@ from backfill.jobs.validation import (
     too_many_requests_message,
     validate_lines,
 )
-from backfill.jobs.validation_lines import INT32_MAX, SeenIds, duplicate_id_message, iter_lines_bounded
 from backfill.storage.objects import ObjectStore
 
 log = logging.getLogger("backfill.validation")

@@ -16,18 +16,13 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-import backfill.jobs.validation as validation
+import backfill.jobs.validation_scan as validation_scan
+from backfill.jobs.input_lines import iter_lines_bounded
 from backfill.jobs.prefixes import FINGERPRINT_BYTES, MAX_BLOCKS, TextBlocks
-from backfill.jobs.validation import INDEX_COLUMNS, Limits, LineScan, RequestIndex, scan_lines
-from backfill.jobs.validation_lines import (
-    INT32_MAX,
-    MAX_BODY_DEPTH,
-    SeenIds,
-    check_line,
-    iter_lines_bounded,
-    line_checker,
-    max_output_tokens,
-)
+from backfill.jobs.request_index import INDEX_COLUMNS, RequestIndex
+from backfill.jobs.validation_fast import line_checker
+from backfill.jobs.validation_lines import INT32_MAX, MAX_BODY_DEPTH, SeenIds, check_line, max_output_tokens
+from backfill.jobs.validation_scan import Limits, LineScan, scan_lines
 
 CHAT = "/v1/chat/completions"
 ENDPOINTS = [CHAT, "/v1/embeddings", "/v1/completions", "/v1/responses", "/v1/other"]
@@ -301,7 +296,7 @@ def test_a_scan_with_the_fast_path_is_the_scan_without_it(
 
     fast = scan()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(validation, "line_checker", without_fast_path)
+        patch.setattr(validation_scan, "line_checker", without_fast_path)
         full = scan()
     assert fast == full
 
