@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import event, func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from backfill.jobs import output
+from backfill.jobs import output, output_format, output_pages
 from backfill.jobs.batches import cancel_batch
 from backfill.jobs.errors import Conflict
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, File, RequestState, Team, utcnow
@@ -261,13 +261,13 @@ def test_two_finalizations_at_once_write_the_same_files_and_one_set_of_rows(
 HOSTILE = ['q"uote', "back\\slash", "tab\tnew\nline\r", "\x01\x1f\x7f", "é€😀\u2028\ufeff", "</script>", ""]
 
 
-@pytest.mark.parametrize("page", [output._ROWS_PER_FETCH, 400])
-def test_the_database_writes_the_same_bytes_as_the_formatter(
+@pytest.mark.parametrize("page", [output_pages.ROWS_PER_FETCH, 400])
+def test_the_pages_write_the_same_bytes_as_one_formatting_of_all_rows(
     db: sessionmaker[Session], page: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On Postgres the lines are written by the database (one string a page, pages read on two
-    connections at once); they must be the bytes the Python formatter writes, whatever the
-    values, in order across pages (two, or twenty with a small page) and with gaps."""
+    """Read a page at a time, the lines are the bytes the formatter writes for all the rows at
+    once, whatever the values, in order across pages (two, or twenty with a small page) and
+    with gaps in the line numbers."""
     with db.begin() as s:
         batch = _batch(s, status=BatchStatus.finalizing, states={})
         states = [
@@ -277,7 +277,7 @@ def test_the_database_writes_the_same_bytes_as_the_formatter(
             RequestState.cancelled,
             RequestState.pending,  # settled by the batch: written as it ended
         ]
-        for n in range(3 * output._ROWS_PER_FETCH // 2):
+        for n in range(3 * output_pages.ROWS_PER_FETCH // 2):
             line = 1 + n + n // 7  # some line numbers unused (blank lines in the input)
             text = HOSTILE[n % len(HOSTILE)]
             s.add(
@@ -300,7 +300,7 @@ def test_the_database_writes_the_same_bytes_as_the_formatter(
             )
         s.flush()
         batch_id = batch.id
-    monkeypatch.setattr(output, "_ROWS_PER_FETCH", page)
+    monkeypatch.setattr(output_pages, "ROWS_PER_FETCH", page)
     with db() as s:
         rows = s.execute(
             select(
@@ -316,57 +316,44 @@ def test_the_database_writes_the_same_bytes_as_the_formatter(
             .order_by(BatchRequest.line)
         ).all()
         for kind_states, pending_as in (
-            (output.OUTPUT_STATES, RequestState.expired),
-            (output.ERROR_STATES, RequestState.expired),
-            (output.ERROR_STATES, RequestState.cancelled),
+            (output_format.OUTPUT_STATES, RequestState.expired),
+            (output_format.ERROR_STATES, RequestState.expired),
+            (output_format.ERROR_STATES, RequestState.cancelled),
         ):
-            written = b"".join(output.result_lines(s, batch_id, kind_states, pending_as=pending_as))
-            errors = output.error_bodies(pending_as)
-            assert written == output._format_page((r for r in rows if r.state in kind_states), errors)
+            written = b"".join(output_pages.result_lines(s, batch_id, kind_states, pending_as=pending_as))
+            errors = output_format.error_bodies(pending_as)
+            assert written == output_format.format_lines((r for r in rows if r.state in kind_states), errors)
             lines = [orjson.loads(x) for x in written.splitlines()]
-            if kind_states == output.ERROR_STATES:
+            if kind_states == output_format.ERROR_STATES:
                 pending = [x for x in lines if int(x["custom_id"].rsplit("-", 1)[1]) % len(states) == 4]
                 assert pending and {x["error"]["code"] for x in pending} == {f"batch_{pending_as}"}
         # Finalization's one read: both files from the same pages, with the counts and the usage
         # a GROUP BY over the rows gives.
-        files = (output.OUTPUT_STATES, output.ERROR_STATES)
-        pages = list(output._pages(s, batch_id, files, pending_as=RequestState.expired))
-        errors = output.error_bodies(RequestState.expired)
+        files = (output_format.OUTPUT_STATES, output_format.ERROR_STATES)
+        pages = list(output_pages.pages(s, batch_id, files, pending_as=RequestState.expired))
+        errors = output_format.error_bodies(RequestState.expired)
         for n, file_states in enumerate(files):
-            assert b"".join(p.lines[n] for p in pages) == output._format_page(
+            assert b"".join(p.lines[n] for p in pages) == output_format.format_lines(
                 (r for r in rows if r.state in file_states), errors
             )
             assert sum(p.counts[n] for p in pages) == sum(r.state in file_states for r in rows)
         usage = s.execute(
-            select(*(func.sum(getattr(BatchRequest, c)) for c in output._USAGE)).where(
+            select(*(func.sum(getattr(BatchRequest, c)) for c in output_format.USAGE_COLUMNS)).where(
                 BatchRequest.batch_id == batch_id, BatchRequest.state == RequestState.succeeded
             )
         ).one()
         assert tuple(sum(p.usage[i] for p in pages) for i in range(4)) == tuple(usage) != (0, 0, 0, 0)
 
 
-def _statements(db: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int | None]]:
+def _statements(db: sessionmaker[Session]) -> list[tuple[str, int | None]]:
     """Every statement sent from now on, with the first line of the page it reads (None for
-    others): at the driver's cursor on Postgres (the page reads there bypass SQLAlchemy, on
-    connections of their own), through SQLAlchemy's cursor event on SQLite."""
+    others), through SQLAlchemy's cursor event."""
     seen: list[tuple[str, int | None]] = []
-    engine = db.kw["bind"]
-    if engine.dialect.name == "postgresql":
-        import psycopg
 
-        execute = psycopg.Cursor.execute
+    def record(conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
+        seen.append((statement, context.compiled_parameters[0].get("start")))
 
-        def recording(cursor: psycopg.Cursor[Any], query: Any, params: Any = None, **kw: Any) -> Any:
-            seen.append((str(query), params.get("start") if isinstance(params, dict) else None))
-            return execute(cursor, query, params, **kw)
-
-        monkeypatch.setattr(psycopg.Cursor, "execute", recording)
-    else:
-
-        def record(conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
-            seen.append((statement, context.compiled_parameters[0].get("start")))
-
-        event.listen(engine, "before_cursor_execute", record)
+    event.listen(db.kw["bind"], "before_cursor_execute", record)
     return seen
 
 
@@ -379,8 +366,8 @@ def test_both_files_come_from_one_read_of_the_rows(
     with db.begin() as s:
         batch = _batch(s, status=BatchStatus.in_progress, states=LINES)
         batch_id, team_id = batch.id, batch.team_id
-    monkeypatch.setattr(output, "_ROWS_PER_FETCH", 2)  # lines 1-5: three pages
-    seen = _statements(db, monkeypatch)
+    monkeypatch.setattr(output_pages, "ROWS_PER_FETCH", 2)  # lines 1-5: three pages
+    seen = _statements(db)
     assert finalize_batch(db.begin, store, batch_id=batch_id) == BatchStatus.completed
     rows_read = [(sql, start) for sql, start in seen if "batch_requests" in sql]
     pages = sorted(start for sql, start in rows_read if "response_body" in sql and start is not None)
@@ -430,7 +417,7 @@ def test_a_failed_put_of_either_file_fails_the_finalization_and_a_later_one_comp
     with db.begin() as s:
         batch = _batch(s, status=BatchStatus.in_progress, states=LINES)
         batch_id, team_id = batch.id, batch.team_id
-    monkeypatch.setattr(output, "_ROWS_PER_FETCH", 1)
+    monkeypatch.setattr(output_pages, "ROWS_PER_FETCH", 1)
     with ThreadPoolExecutor(1) as pool:
         failing = pool.submit(finalize_batch, db.begin, FailingStore(tmp_path / "objects", kind), batch_id=batch_id)
         with pytest.raises(ConnectionError):
@@ -460,14 +447,14 @@ def test_a_failed_read_ends_both_puts_without_an_object(
     with db.begin() as s:
         batch = _batch(s, status=BatchStatus.in_progress, states=LINES)
         batch_id, team_id = batch.id, batch.team_id
-    pages = output._pages
+    pages = output.pages
 
-    def failing_pages(*args: Any, **kwargs: Any) -> Iterator[output._Page]:
+    def failing_pages(*args: Any, **kwargs: Any) -> Iterator[output_pages.Page]:
         yield next(pages(*args, **kwargs))
         raise OSError("server closed the connection")
 
-    monkeypatch.setattr(output, "_ROWS_PER_FETCH", 1)
-    monkeypatch.setattr(output, "_pages", failing_pages)
+    monkeypatch.setattr(output_pages, "ROWS_PER_FETCH", 1)
+    monkeypatch.setattr(output, "pages", failing_pages)
     with pytest.raises(OSError, match="server closed"):
         finalize_batch(db.begin, store, batch_id=batch_id)
     assert _finalize_threads() == []
