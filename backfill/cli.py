@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from typing import Annotated
 
 import typer
@@ -89,8 +90,10 @@ def worker(
 @app.command()
 def scheduler() -> None:
     """Run the scheduler loop (expiry, cancellation, reclaim, finalization, drains) and, with
-    BACKFILL_CAPACITY_CONTROL on, the capacity controller that publishes the lease limit."""
+    BACKFILL_CAPACITY_CONTROL on, the capacity controller that publishes the lease limit. Run
+    two or more for a standby: one replica leads (a leader lease), the others wait to take over."""
     from backfill.jobs.retention import RetentionPolicy
+    from backfill.scheduler.leadership import FencedLeases, lead_while_leader, leader_lease
     from backfill.scheduler.leases import get_lease_store
     from backfill.scheduler.ticker import Ticker
     from backfill.storage.broker import send_task
@@ -100,33 +103,40 @@ def scheduler() -> None:
     s = get_settings()
     stopping = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stopping.update(flag=True))
-    ticker = Ticker(
-        leases=get_lease_store(),
-        enqueue=send_task,
-        drains=s.drains,
-        retention_policy=RetentionPolicy(
-            orphan_grace_s=s.orphan_grace_s, result_body_grace_s=s.result_body_retention_s
-        ),
-        retention_interval_s=s.retention_interval_s,
-    )
-    # The capacity controller beside the ticker: if this process dies, the limit it published
-    # lapses and admission falls back to the floor (fail closed).
-    control_stop = threading.Event()
-    control: threading.Thread | None = None
-    if s.capacity_controlled:
-        from backfill.scheduler.runtime import make_capacity_loop
+    lease = leader_lease(s)
 
-        loop = make_capacity_loop(s)
-        control = threading.Thread(target=loop.run, args=(control_stop,), name="capacity", daemon=True)
-        control.start()
+    def lead(deposed: Callable[[], bool]) -> None:
+        # A fresh ticker each term: what a previous term saw missing is stale now.
+        ticker = Ticker(
+            leases=get_lease_store(),
+            enqueue=send_task,
+            drains=s.drains,
+            retention_policy=RetentionPolicy(
+                orphan_grace_s=s.orphan_grace_s, result_body_grace_s=s.result_body_retention_s
+            ),
+            retention_interval_s=s.retention_interval_s,
+        )
+        # The capacity controller beside the ticker, publishing only while this replica leads: if
+        # the process dies, the limit it published lapses and admission falls back to the floor.
+        control_stop = threading.Event()
+        control: threading.Thread | None = None
+        if s.capacity_controlled:
+            from backfill.scheduler.runtime import make_capacity_loop
+
+            loop = make_capacity_loop(s, leases=FencedLeases(get_lease_store(), lease))
+            control = threading.Thread(target=loop.run, args=(control_stop,), name="capacity", daemon=True)
+            control.start()
+        try:
+            ticker.run_forever(s.tick_interval_s, stop=deposed)
+        finally:
+            control_stop.set()
+            if control is not None:
+                control.join(timeout=5)
+
     try:
-        ticker.run_forever(s.tick_interval_s, stop=lambda: stopping["flag"])
+        lead_while_leader(lease, lead, stop=lambda: stopping["flag"])
     except KeyboardInterrupt:
         pass
-    finally:
-        control_stop.set()
-        if control is not None:
-            control.join(timeout=5)
 
 
 @app.command()

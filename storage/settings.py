@@ -83,6 +83,9 @@ class Settings(BaseSettings):
     lease_ttl_s: float = 15.0
     drain_slice_s: float = 30.0
     tick_interval_s: float = 1.0
+    # The scheduler replicas' leader lease: one replica runs the loop and the controllers; a
+    # standby takes over within this TTL (plus a second) of the leader's death.
+    scheduler_leader_ttl_s: float = 6.0
     # Tries of one line, counting every way a try can end unfinished (a 429/5xx/timeout answer,
     # a worker that died holding it, a result that could not be recorded); past it the line
     # goes to the error file (max_attempts_exceeded or the fleet's last answer).
@@ -109,6 +112,10 @@ class Settings(BaseSettings):
     metrics_dir: str = ""
     # Bearer token /metrics asks for (empty: open, for a scraper on a private network).
     metrics_token: str = ""
+    # Webhook targets allowed although not public (comma-separated host names, addresses or
+    # CIDRs, e.g. "hooks.internal,10.20.0.0/16"): in production a webhook may otherwise only go
+    # to public addresses; outside production loopback is allowed too (jobs.webhook_targets).
+    webhook_allowed_hosts: str = ""
 
     # Capacity controller (runs in the scheduler process when capacity_control is on).
     # Prometheus endpoints of the fleet: `role=url` items, role frontend|agg|prefill|decode,

@@ -1,0 +1,327 @@
+"""Which scheduler replica runs the loop and the capacity controllers: a leader lease.
+
+Every replica runs `lead_while_leader`; one holds the lease and leads, the others stand by and
+try again every `poll_s`. The holder renews every third of the TTL; a holder that dies stops
+renewing and a standby takes over once the lease lapses (TTL + `poll_s` at most).
+
+Two leaders must never act at once, even when the old one is frozen (a GC pause, a stopped
+container) rather than dead. So a holder counts itself leader only until `valid_until`: the
+time it sent its last successful acquire or renew, plus the TTL, less a margin. The store's own
+expiry runs from when it received that request, later, so the holder's belief ends first. The
+controllers' publications are also fenced in the store itself (`FencedLeases`): Redis writes a
+value only while the writer's token still holds the lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Protocol
+
+from sqlalchemy import delete, select, update
+from sqlalchemy.exc import IntegrityError
+
+from backfill.jobs.models import Lease
+from backfill.scheduler.leases import LeaseStore, get_lease_store
+from backfill.storage.db import unit_of_work
+from backfill.storage.settings import Settings
+
+log = logging.getLogger("backfill.leader")
+
+LEADER_NAME = "scheduler"
+
+
+class LeaderLease(Protocol):
+    token: str
+    ttl_s: float
+
+    def try_acquire(self) -> bool: ...
+    def renew(self) -> bool: ...
+    def release(self) -> None: ...
+    def held(self) -> bool: ...
+    def holder(self) -> str | None: ...
+    def publish(self, key: str, value: str, *, ttl_s: float) -> bool: ...
+    def withdraw(self, key: str) -> bool: ...
+
+
+class _Validity:
+    """The holder's own clock on the lease: valid until the last request's send time + TTL - margin."""
+
+    def __init__(self, ttl_s: float, margin_s: float) -> None:
+        self.ttl_s = ttl_s
+        self.margin_s = margin_s
+        self.valid_until = 0.0
+
+    def granted(self, sent_at: float) -> None:
+        self.valid_until = sent_at + self.ttl_s - self.margin_s
+
+    def lost(self) -> None:
+        self.valid_until = 0.0
+
+    def held(self) -> bool:
+        return time.monotonic() < self.valid_until
+
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+# KEYS[1] the leader key, KEYS[2] the value's key; ARGV[1] token, ARGV[2] value, ARGV[3] TTL ms.
+_FENCED_SET = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+return 1
+"""
+_FENCED_DEL = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+redis.call('DEL', KEYS[2])
+return 1
+"""
+
+
+class RedisLeaderLease:
+    """The lease as one Redis key holding the leader's token (SET NX PX), renewed and released
+    only by that token (Lua compare-and-set)."""
+
+    def __init__(
+        self, url: str, *, name: str = LEADER_NAME, ttl_s: float = 6.0, namespace: str = "backfill"
+    ) -> None:
+        import redis
+
+        self.r = redis.Redis.from_url(url, decode_responses=True, socket_timeout=max(1.0, ttl_s / 3))
+        self.key = f"{namespace}:leader:{name}"
+        self.ns = namespace
+        self.token = uuid.uuid4().hex
+        self.ttl_s = ttl_s
+        self.ttl_ms = int(ttl_s * 1000)
+        self._validity = _Validity(ttl_s, margin_s=min(1.0, ttl_s / 4))
+        self._renew = self.r.register_script(_RENEW)
+        self._release = self.r.register_script(_RELEASE)
+        self._fenced_set = self.r.register_script(_FENCED_SET)
+        self._fenced_del = self.r.register_script(_FENCED_DEL)
+
+    def try_acquire(self) -> bool:
+        sent = time.monotonic()
+        if self.r.set(self.key, self.token, nx=True, px=self.ttl_ms):
+            self._validity.granted(sent)
+            return True
+        return False
+
+    def renew(self) -> bool:
+        sent = time.monotonic()
+        if self._renew(keys=[self.key], args=[self.token, self.ttl_ms]):
+            self._validity.granted(sent)
+            return True
+        self._validity.lost()
+        return False
+
+    def release(self) -> None:
+        self._validity.lost()
+        self._release(keys=[self.key], args=[self.token])
+
+    def held(self) -> bool:
+        return self._validity.held()
+
+    def holder(self) -> str | None:
+        value = self.r.get(self.key)
+        return str(value) if value is not None else None
+
+    def _val(self, key: str) -> str:
+        return f"{self.ns}:val:{key}"  # the same key `RedisLeaseStore.publish` writes
+
+    def publish(self, key: str, value: str, *, ttl_s: float) -> bool:
+        if not self.held():
+            return False
+        return bool(self._fenced_set(keys=[self.key, self._val(key)], args=[self.token, value, int(ttl_s * 1000)]))
+
+    def withdraw(self, key: str) -> bool:
+        return bool(self._fenced_del(keys=[self.key, self._val(key)], args=[self.token]))
+
+
+class SqlLeaderLease:
+    """The same on the database, for the embedded mode: one `leases` row whose kind names the
+    holder's token."""
+
+    def __init__(self, leases: LeaseStore, *, name: str = LEADER_NAME, ttl_s: float = 6.0) -> None:
+        self.leases = leases
+        self.id = f"leader:{name}"
+        self.token = uuid.uuid4().hex
+        self.kind = f"leader:{self.token}"
+        self.ttl_s = ttl_s
+        self._validity = _Validity(ttl_s, margin_s=min(1.0, ttl_s / 4))
+
+    def try_acquire(self) -> bool:
+        sent = time.monotonic()
+        try:
+            with unit_of_work() as s:
+                s.execute(delete(Lease).where(Lease.id == self.id, Lease.expires_at <= time.time()))
+                if s.get(Lease, self.id) is not None:
+                    return False
+                s.add(Lease(id=self.id, kind=self.kind, expires_at=time.time() + self.ttl_s))
+        except IntegrityError:  # another replica inserted it first
+            return False
+        self._validity.granted(sent)
+        return True
+
+    def renew(self) -> bool:
+        sent = time.monotonic()
+        with unit_of_work() as s:
+            done = s.execute(
+                update(Lease)
+                .where(Lease.id == self.id, Lease.kind == self.kind, Lease.expires_at > time.time())
+                .values(expires_at=time.time() + self.ttl_s)
+            )
+            ok = bool(getattr(done, "rowcount", 0))
+        if ok:
+            self._validity.granted(sent)
+        else:
+            self._validity.lost()
+        return ok
+
+    def release(self) -> None:
+        self._validity.lost()
+        with unit_of_work() as s:
+            s.execute(delete(Lease).where(Lease.id == self.id, Lease.kind == self.kind))
+
+    def held(self) -> bool:
+        return self._validity.held()
+
+    def holder(self) -> str | None:
+        with unit_of_work() as s:
+            kind = s.execute(
+                select(Lease.kind).where(Lease.id == self.id, Lease.expires_at > time.time())
+            ).scalar_one_or_none()
+        return kind.removeprefix("leader:") if kind else None
+
+    def publish(self, key: str, value: str, *, ttl_s: float) -> bool:
+        if not self.held():
+            return False
+        self.leases.publish(key, value, ttl_s=ttl_s)
+        return True
+
+    def withdraw(self, key: str) -> bool:
+        if not self.held():
+            return False
+        self.leases.withdraw(key)
+        return True
+
+
+class FencedLeases:
+    """A `LeaseStore` for the capacity controllers: leases and reads pass through; a published
+    value is written only while this replica leads (a deposed leader's write is dropped)."""
+
+    def __init__(self, inner: LeaseStore, leader: LeaderLease) -> None:
+        self.inner = inner
+        self.leader = leader
+        self.dropped = 0
+
+    def acquire(self, pool: str, *, limit: int, n: int, ttl_s: float, settle: bool = True) -> list[str]:
+        return self.inner.acquire(pool, limit=limit, n=n, ttl_s=ttl_s, settle=settle)
+
+    def renew(self, pool: str, lease_ids: list[str], *, ttl_s: float) -> None:
+        self.inner.renew(pool, lease_ids, ttl_s=ttl_s)
+
+    def release(self, pool: str, lease_ids: list[str]) -> None:
+        self.inner.release(pool, lease_ids)
+
+    def count(self, pool: str) -> int:
+        return self.inner.count(pool)
+
+    def heartbeat(self, holder: str, *, ttl_s: float) -> None:
+        self.inner.heartbeat(holder, ttl_s=ttl_s)
+
+    def alive(self, holders: list[str]) -> set[str]:
+        return self.inner.alive(holders)
+
+    def publish(self, name: str, value: str, *, ttl_s: float) -> None:
+        if not self.leader.publish(name, value, ttl_s=ttl_s):
+            self.dropped += 1
+            log.warning("not the leader any more: dropped the publication of %s", name)
+
+    def read(self, name: str) -> str | None:
+        return self.inner.read(name)
+
+    def withdraw(self, name: str) -> None:
+        self.leader.withdraw(name)
+
+
+def leader_lease(s: Settings) -> LeaderLease:
+    """This process's view of the scheduler lease: Redis in production, the database embedded."""
+    if s.redis_url:
+        return RedisLeaderLease(s.redis_url, ttl_s=s.scheduler_leader_ttl_s)
+    return SqlLeaderLease(get_lease_store(), ttl_s=s.scheduler_leader_ttl_s)
+
+
+def lead_while_leader(
+    lease: LeaderLease,
+    lead: Callable[[Callable[[], bool]], None],
+    *,
+    stop: Callable[[], bool],
+    poll_s: float = 1.0,
+    renew_every_s: float | None = None,
+) -> None:
+    """Stand by until this replica holds `lease`, then run `lead(deposed)`, where `deposed()`
+    turns true when the process is stopping or the lease is lost; `lead` must return soon
+    after. Then stand by again, until `stop()`."""
+    every = renew_every_s or lease.ttl_s / 3
+    while not stop():
+        try:
+            acquired = lease.try_acquire()
+        except Exception:
+            log.warning("could not reach the leader lease's store", exc_info=True)
+            acquired = False
+        if not acquired:
+            time.sleep(poll_s)
+            continue
+        log.info("this scheduler leads now (token %s)", lease.token[:8])
+        _lead_once(lease, lead, stop=stop, renew_every_s=every)
+
+
+def _lead_once(
+    lease: LeaderLease, lead: Callable[[Callable[[], bool]], None], *, stop: Callable[[], bool], renew_every_s: float
+) -> None:
+    """Run `lead` while a keeper thread renews the lease; release it when `lead` returns."""
+    lost = threading.Event()
+    done = threading.Event()
+
+    def keep() -> None:
+        while not done.wait(renew_every_s):
+            try:
+                if lease.renew():
+                    continue
+            except Exception:
+                log.warning("could not renew the leader lease", exc_info=True)
+                if lease.held():
+                    continue  # still inside its validity: try again
+            lost.set()
+            return
+
+    keeper = threading.Thread(target=keep, name="leader-lease", daemon=True)
+    keeper.start()
+    try:
+        lead(lambda: stop() or lost.is_set() or not lease.held())
+    finally:
+        done.set()
+        keeper.join()
+        if lost.is_set():
+            log.warning("lost the leader lease: standing by")
+        try:
+            lease.release()
+        except Exception:
+            log.warning("could not release the leader lease (it lapses by itself)", exc_info=True)
