@@ -22,42 +22,28 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
 
 import orjson
 from redis.exceptions import RedisError
 
-from backfill.jobs.claims import ClaimedRequest, claim_requests
+from backfill.jobs.claims import ClaimedRequest
 from backfill.jobs.replies import normalise_body, usage_from_body
 from backfill.scheduler.admission import Admission, Observation, pool_of
 from backfill.scheduler.breaker import BreakerState
-from backfill.scheduler.capacity import shed_count
+from backfill.scheduler.claiming import claim_lines, read_bodies
 from backfill.scheduler.fleet import FleetClient, FleetReply
 from backfill.scheduler.leases import LeaseStore
 from backfill.scheduler.metrics import record_fleet_reply
 from backfill.scheduler.n_expansion import post_request
 from backfill.scheduler.recorder import Done, Recorder, transient_db_error
-from backfill.storage.db import unit_of_work
+from backfill.scheduler.routing_hints import add_routing_hints
+from backfill.scheduler.shedding import InflightCalls
 from backfill.storage.objects import ObjectStore
 
 log = logging.getLogger("backfill.dispatch")
 
 CLAIM_GROUP = 32
 DRAIN_POOL = "drains"
-MAX_SPAN_READ = 8 * 1024 * 1024
-
-
-# Routing hints backfill may add to a body (nothing else of the client's body is touched).
-def add_routing_hints(body: dict[str, Any], mode: str) -> dict[str, Any]:
-    if mode == "nvext":
-        nvext = dict(body.get("nvext") or {})
-        hints = dict(nvext.get("agent_hints") or {})
-        hints.setdefault("priority", -10)
-        nvext["agent_hints"] = hints
-        return {**body, "nvext": nvext}
-    if mode == "vllm":
-        return {**body, "priority": body.get("priority", 10)}  # vLLM: larger value = served later
-    return body
 
 
 class Dispatcher:
@@ -97,8 +83,7 @@ class Dispatcher:
             holder=self.holder, max_attempts=max_attempts, patience_s=db_patience_s, finish_by=self._finish_by
         )
         self._inflight: set[asyncio.Task[None]] = set()
-        # In-flight fleet calls: (start time, the deployment whose lease each holds).
-        self._calls: dict[asyncio.Task[FleetReply], tuple[float, int]] = {}
+        self._calls = InflightCalls(admission, leases, self._lease_store_down)  # what a shed may abort
         self._on: Counter[int] = Counter()  # this drain's lines in hand, per deployment
         self._stop_seen_at: float | None = None
         self._leases_down_since: float | None = None
@@ -147,7 +132,7 @@ class Dispatcher:
         self._held[slot[0]] = DRAIN_POOL
         keepalive = asyncio.create_task(self._keepalive())
         writer = asyncio.create_task(self.recorder.run())
-        watcher = asyncio.create_task(self._watch_shed())
+        watcher = asyncio.create_task(self._calls.watch())
         slot_held = True
         try:
             await self._release_loop(time.monotonic() + slice_s)
@@ -204,7 +189,13 @@ class Dispatcher:
             if not leases:
                 continue
             try:
-                claimed = await asyncio.to_thread(self._claim, len(leases))
+                claimed = await asyncio.to_thread(
+                    claim_lines,
+                    self.planner,
+                    len(leases),
+                    holder=self.holder,
+                    kv_budget_tokens=self.kv_budget_tokens,
+                )
             except RedisError:  # the planner reads the published rate
                 await self._give_back(leases)
                 self._lease_store_down("planning")
@@ -229,7 +220,7 @@ class Dispatcher:
             idle_rounds = 0
             await self._give_back(leases[len(claimed) :])
             try:
-                bodies = await asyncio.to_thread(self._load_bodies, claimed)
+                bodies = await asyncio.to_thread(read_bodies, self.store, claimed)
             except Exception:
                 log.exception("reading %d claimed lines from the object store failed; requeued", len(claimed))
                 await self._give_back(leases[: len(claimed)])
@@ -253,8 +244,7 @@ class Dispatcher:
             finish_by = self._finish_by() if self._stopping() else None
             if finish_by is not None and time.monotonic() >= finish_by - min(2.0, self.grace_s / 4):
                 self._abort_all = True
-                for call in list(self._calls):
-                    call.cancel()
+                self._calls.abort_all()
                 await asyncio.gather(*self._inflight, return_exceptions=True)
                 return
             await asyncio.wait(self._inflight, timeout=0.1)
@@ -290,73 +280,6 @@ class Dispatcher:
             log.info("lease store reachable again after %.1f s", time.monotonic() - self._leases_down_since)
             self._leases_down_since = None
 
-    async def _watch_shed(self, every_s: float = 0.1) -> None:
-        """Abort this drain's share of in-flight requests above the controller's shed target,
-        youngest first (they have the least work to lose), and pass observations on."""
-        while True:
-            await asyncio.sleep(every_s)
-            try:
-                await asyncio.to_thread(self.admission.flush_observations)
-                for deployment in range(self.admission.deployments):
-                    mine = {c: t for c, (t, d) in self._calls.items() if d == deployment}
-                    if not mine:
-                        continue
-                    target = await asyncio.to_thread(self.admission.shed_target, deployment)
-                    if target is None:
-                        continue
-                    total = await asyncio.to_thread(self.leases.count, pool_of(deployment))
-                    k = shed_count(total, target, len(mine))
-                    if k:
-                        youngest = sorted(mine, key=mine.__getitem__, reverse=True)[:k]
-                        for call in youngest:
-                            self._calls.pop(call, None)  # counted once, even if the abort is slow
-                            call.cancel()
-                        log.info(
-                            "shed %d in-flight requests (%s %d > target %d)", k, pool_of(deployment), total, target
-                        )
-            except RedisError:
-                self._lease_store_down("shed check")
-            except Exception:
-                log.warning("shed check failed", exc_info=True)
-
-    def _claim(self, n: int) -> list[ClaimedRequest]:
-        # The plan may list more than n (a tail in priority order): a batch whose lines are all
-        # running or backing off yields fewer than planned, and the next one fills in.
-        out: list[ClaimedRequest] = []
-        for batch_id, k in self.planner(n):
-            want = min(k, n - len(out))
-            if want <= 0:
-                break
-            with unit_of_work() as session:
-                out += claim_requests(
-                    session,
-                    batch_id=batch_id,
-                    limit=want,
-                    claim_token=self.holder,
-                    kv_budget_tokens=self.kv_budget_tokens,
-                )
-        return out
-
-    def _load_bodies(self, claimed: list[ClaimedRequest]) -> dict[tuple[str, int], bytes]:
-        """Read claimed lines from their input files, one ranged read per contiguous stretch.
-        Keyed by (batch, line): a claim group may span batches, whose line numbers repeat."""
-        out: dict[tuple[str, int], bytes] = {}
-        by_key: dict[str, list[ClaimedRequest]] = {}
-        for r in claimed:
-            by_key.setdefault(r.input_key, []).append(r)
-        for key, reqs in by_key.items():
-            reqs.sort(key=lambda r: r.offset)
-            start = reqs[0].offset
-            end = max(r.offset + r.length for r in reqs)
-            if end - start <= MAX_SPAN_READ:
-                blob = self.store.read_range(key, start, end - start)
-                for r in reqs:
-                    out[(r.batch_id, r.line)] = blob[r.offset - start : r.offset - start + r.length]
-            else:
-                for r in reqs:
-                    out[(r.batch_id, r.line)] = self.store.read_range(key, r.offset, r.length)
-        return out
-
     async def _send(self, request: ClaimedRequest, lease: str, deployment: int, raw: bytes) -> None:
         reply: FleetReply | None = None
         call: asyncio.Task[FleetReply] | None = None
@@ -370,7 +293,7 @@ class Dispatcher:
                 call = asyncio.create_task(
                     post_request(self.fleet, request.endpoint, body, expand_n=self.expand_n, deployment=deployment)
                 )
-                self._calls[call] = (time.monotonic(), deployment)
+                self._calls.add(call, deployment)
                 reply = await call
                 self.sent += 1
                 self._observe(reply, deployment)
@@ -387,7 +310,7 @@ class Dispatcher:
             reply = FleetReply(500, orjson.dumps({"error": {"message": repr(exc)}}), None, 0.0, transient=True)
         finally:
             if call is not None:
-                self._calls.pop(call, None)
+                self._calls.discard(call)
             self._held.pop(lease, None)
             self._on[deployment] -= 1
             await self._give_back([(lease, deployment)])

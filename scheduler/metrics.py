@@ -14,15 +14,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Literal, ParamSpec, TypeVar
+from typing import Literal, ParamSpec, TypeVar
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from backfill.scheduler.capacity_decision import Decision
+from backfill.scheduler.fleet import FleetReply
 from backfill.storage.metrics import counter, histogram, latest_gauge
-
-if TYPE_CHECKING:  # both modules call in here: no import cycle at run time
-    from backfill.scheduler.capacity import Decision
-    from backfill.scheduler.fleet import FleetReply
 
 log = logging.getLogger("backfill.metrics")
 

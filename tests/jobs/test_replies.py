@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from backfill.jobs.replies import normalise_body, usage_from_body
-from backfill.scheduler.dispatcher import add_routing_hints
+from backfill.scheduler.routing_hints import add_routing_hints
 
 
 def test_usage_from_chat_and_responses_bodies() -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from backfill.scheduler.capacity import ControlConfig, Controller, ObsDelta, Slo, shed_count
+from backfill.scheduler.capacity_law import ControlConfig, Controller, ObsDelta, Slo
+from backfill.scheduler.shedding import shed_count
 from backfill.scheduler.telemetry import (
     Endpoint,
     FleetSnapshot,
