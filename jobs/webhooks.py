@@ -31,6 +31,7 @@ from sqlalchemy.orm import Session
 from backfill.jobs.errors import InvalidRequest, NotFound
 from backfill.jobs.models import Batch, BatchStatus, utcnow
 from backfill.jobs.webhook_models import DeliveryStatus, WebhookDelivery, WebhookEndpoint, WebhookEvent
+from backfill.jobs.webhook_targets import check_url_target
 
 # Keyed by the status's value: a BatchStatus is the str it stands for.
 EVENT_OF_STATUS: dict[str, str] = {
@@ -100,6 +101,7 @@ def _check_url(url: str) -> str:
         raise InvalidRequest(
             f"'url' must be an http(s) URL of at most {MAX_URL_CHARS} characters, without credentials.", param="url"
         )
+    check_url_target(url)
     return url
 
 

@@ -16,11 +16,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 
+import httpcore
 import httpx
 from sqlalchemy.orm import Session
 
 from backfill.jobs import webhooks
+from backfill.jobs.webhook_targets import REFUSED, Resolver, TargetPolicy, TargetRefused, system_resolver
 from backfill.jobs.webhooks import DueDelivery
+from backfill.scheduler.pinned_http import PinnedPoster
 from backfill.storage.db import unit_of_work
 
 log = logging.getLogger("backfill.webhooks")
@@ -30,8 +33,6 @@ UnitOfWork = Callable[[], AbstractContextManager[Session]]
 USER_AGENT = "backfill-webhooks/0.1"
 CLAIM_PER_ROUND = 32
 SENDERS = 8
-# A receiver gets this long to answer; its body is never read (only the status counts).
-TIMEOUT = httpx.Timeout(10.0, connect=5.0)
 # How long a claimed delivery is held before another sender may take it: past every timeout.
 HOLD_S = 60.0
 # One pass stops after this many rounds even if more keep falling due; the next tick goes on.
@@ -39,14 +40,20 @@ MAX_ROUNDS = 20
 
 
 class WebhookSender:
-    def __init__(self, *, units: UnitOfWork = unit_of_work, client: httpx.Client | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        units: UnitOfWork = unit_of_work,
+        policy: TargetPolicy | None = None,
+        resolve: Resolver = system_resolver,
+    ) -> None:
         self.units = units
-        self.client = client or httpx.Client(
-            timeout=TIMEOUT, follow_redirects=False, headers={"user-agent": USER_AGENT}
-        )
+        self.poster = PinnedPoster(policy or TargetPolicy.from_settings(), resolve=resolve, user_agent=USER_AGENT)
 
     def send(self, due: DueDelivery) -> tuple[int | None, str | None]:
-        """One POST: (status code, None) when the receiver answered, (None, why) when not."""
+        """One POST: (status code, None) when the receiver answered, (None, why) when not. A
+        refused target is logged as refused and nothing more: what the network said about an
+        address a team may not reach is not theirs to read."""
         timestamp = int(time.time())
         headers = {
             "content-type": "application/json",
@@ -57,11 +64,15 @@ class WebhookSender:
             ),
         }
         try:
-            # Streamed and closed unread: a receiver's answer body is never loaded.
-            with self.client.stream("POST", due.url, content=due.body, headers=headers) as response:
-                return response.status_code, None
-        except httpx.HTTPError as exc:
+            return self.poster.post(due.url, body=due.body, headers=headers), None
+        except TargetRefused:
+            return None, REFUSED
+        except OSError:  # the name does not resolve (getaddrinfo's own error)
+            return None, "ConnectError: the host name does not resolve"
+        except (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError) as exc:
             return None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        except (httpx.InvalidURL, KeyError, UnicodeError):
+            return None, "InvalidURL"
 
     def deliver_round(self) -> int:
         """Claim what is due, send it (a few at once), record the outcomes; returns how many."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import secrets
+from collections.abc import Iterator
 from datetime import UTC, datetime
 
 import orjson
@@ -186,3 +187,57 @@ def test_unknown_ids_answer_404(api: CheckedClient, team: Team) -> None:
     for wire in ("wh_" + secrets.token_hex(8), "nope", "wh_"):
         r = api.get(f"/v1/webhook_endpoints/{wire}", headers=team.headers)
         assert r.status_code == 404, wire
+
+
+@pytest.fixture
+def production(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The API's settings as in production for one test (the package runs in development)."""
+    from backfill.storage.settings import get_settings
+
+    monkeypatch.setenv("BACKFILL_ENVIRONMENT", "production")
+    monkeypatch.setenv("BACKFILL_WEBHOOK_ALLOWED_HOSTS", "")
+    get_settings.cache_clear()
+    yield
+    monkeypatch.undo()
+    get_settings.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:6379/",
+        "http://2130706433:5432/",
+        "http://0x7f000001/",
+        "http://127.1/",
+        "http://[::ffff:127.0.0.1]/",
+        "http://169.254.169.254/latest/meta-data/",
+        "http://metadata.google.internal/computeMetadata/v1/",
+        "http://10.0.0.5:9000/",
+        "http://localhost./",
+    ],
+)
+def test_production_refuses_non_public_targets_with_a_400(
+    api: CheckedClient, team: Team, production: None, url: str
+) -> None:
+    r = api.post(
+        "/v1/webhook_endpoints", headers=team.headers, json={"name": "x", "url": url, "event_types": ["batch.failed"]}
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == (
+        "invalid_request_error",
+        "url",
+        "webhook_url_not_allowed",
+    )
+    assert "public address" in error["message"]
+    assert api.get("/v1/webhook_endpoints", headers=team.headers).json()["data"] == []
+
+
+def test_production_refuses_moving_an_endpoint_to_a_private_target(
+    api: CheckedClient, team: Team, production: None
+) -> None:
+    created = new_endpoint(api, team, url="https://93.184.215.14/hooks")  # a literal: nothing is resolved
+    moved = api.post(f"/v1/webhook_endpoints/{created['id']}", headers=team.headers, json={"url": "http://0/"})
+    assert moved.status_code == 400 and moved.json()["error"]["code"] == "webhook_url_not_allowed", moved.text
+    kept = api.get(f"/v1/webhook_endpoints/{created['id']}", headers=team.headers).json()
+    assert kept["url"] == "https://93.184.215.14/hooks"

@@ -19,7 +19,20 @@ from standardwebhooks import Webhook
 from backfill.jobs import webhooks
 from backfill.jobs.models import Batch, BatchStatus, Team, utcnow
 from backfill.jobs.webhook_models import DeliveryStatus, WebhookDelivery, WebhookEndpoint, WebhookEvent
+from backfill.jobs.webhook_targets import REFUSED, TargetPolicy
 from backfill.scheduler.webhook_delivery import WebhookSender
+
+
+@pytest.fixture(autouse=True)
+def _development(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """These receivers listen on loopback, which development allows (production refuses it)."""
+    from backfill.storage.settings import get_settings
+
+    monkeypatch.setenv("BACKFILL_ENVIRONMENT", "development")
+    get_settings.cache_clear()
+    yield
+    monkeypatch.undo()
+    get_settings.cache_clear()
 
 
 @dataclass
@@ -27,6 +40,7 @@ class Receiver:
     """A real HTTP server answering each POST with the next scripted status (then 200)."""
 
     statuses: list[int]
+    location: str | None = None  # sent with every answer (a redirect, when the status is 3xx)
     received: list[tuple[dict[str, str], bytes]] = field(default_factory=list)
     server: http.server.ThreadingHTTPServer | None = None
 
@@ -43,6 +57,8 @@ class Receiver:
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 receiver.received.append(({k.lower(): v for k, v in self.headers.items()}, body))
                 self.send_response(receiver.statuses.pop(0) if receiver.statuses else 200)
+                if receiver.location:
+                    self.send_header("location", receiver.location)
                 self.send_header("content-length", "2")
                 self.end_headers()
                 self.wfile.write(b"ok")
@@ -203,3 +219,45 @@ def test_deleting_the_endpoint_drops_what_it_had_left_to_receive(db: sessionmake
     with db.begin() as session:
         assert session.execute(select(WebhookDelivery)).first() is None
         assert webhooks.claim_due(session, now=utcnow() + timedelta(days=1)) == []
+
+
+def test_delivery_refuses_a_name_that_resolves_to_a_private_address_now(
+    db: sessionmaker[Session], receiver: Receiver
+) -> None:
+    port = receiver.url.split(":")[2].split("/")[0]
+    with db.begin() as session:  # registered while the name did not resolve (so it passed)
+        _event(session, f"http://hooks.example:{port}/hooks")
+    rebound = WebhookSender(units=db.begin, policy=TargetPolicy(), resolve=lambda host, port: ["127.0.0.1"])
+    assert rebound.deliver_due() == 1
+    row = _delivery(db)
+    # Refused, and nothing about what the network said: no status, no connection error.
+    assert (row.status, row.last_status_code, row.last_error) == (DeliveryStatus.pending, None, REFUSED)
+    assert receiver.received == []
+
+
+def test_delivery_in_production_refuses_loopback_unless_allow_listed(
+    db: sessionmaker[Session], receiver: Receiver
+) -> None:
+    with db.begin() as session:
+        _event(session, receiver.url.replace("127.0.0.1", "localhost"))
+    assert WebhookSender(units=db.begin, policy=TargetPolicy()).deliver_due() == 1  # the real resolver
+    assert _delivery(db).last_error == REFUSED and receiver.received == []
+
+    with db.begin() as session:
+        session.execute(update(WebhookDelivery).values(next_attempt_at=utcnow()))
+    allowed = WebhookSender(units=db.begin, policy=TargetPolicy.of(["localhost"]))
+    assert allowed.deliver_due() == 1
+    row = _delivery(db)
+    assert row.last_status_code == 500 and len(receiver.received) == 1  # the receiver's scripted 500
+    assert receiver.received[0][0]["host"] == receiver.url.split("/")[2].replace("127.0.0.1", "localhost")
+
+
+def test_a_redirect_is_never_followed(db: sessionmaker[Session]) -> None:
+    with Receiver(statuses=[]) as second, Receiver(statuses=[302], location="") as first:
+        first.location = second.url
+        with db.begin() as session:
+            _event(session, first.url)
+        assert WebhookSender(units=db.begin, policy=TargetPolicy.of(["127.0.0.1/32"])).deliver_due() == 1
+    row = _delivery(db)
+    assert (row.status, row.last_status_code) == (DeliveryStatus.pending, 302)  # not delivered: retried later
+    assert len(first.received) == 1 and second.received == []
