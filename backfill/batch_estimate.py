@@ -19,6 +19,7 @@ from typing import IO, TYPE_CHECKING, Any
 import orjson
 
 from backfill.jobs import validation
+from backfill.jobs.batch_errors import BatchError
 from backfill.storage.settings import Settings
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ class Estimate:
     model: str | None = None
     prompt_tokens: int = 0
     max_output_tokens: int = 0
-    errors: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[BatchError] = field(default_factory=list)
     cost: str | None = None  # an upper bound: every request's output at its max tokens
     currency: str | None = None
     price_id: int | None = None  # the price the cost is at

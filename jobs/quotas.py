@@ -6,11 +6,10 @@ every line); a batch counts until it is finished, as in OpenAI's enqueued-token 
 
 from __future__ import annotations
 
-from typing import Any
-
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from backfill.jobs.batch_errors import BatchError, batch_error
 from backfill.jobs.billing_models import Quota
 from backfill.jobs.errors import InvalidRequest
 from backfill.jobs.models import Batch, BatchStatus, Team, utcnow
@@ -54,9 +53,7 @@ def list_quotas(session: Session, *, team_id: str | None = None) -> list[Quota]:
     return list(session.execute(query).scalars())
 
 
-def quota_errors(
-    session: Session, *, team_id: str, model: str, batch_id: str, token_estimate: int
-) -> list[dict[str, Any]]:
+def quota_errors(session: Session, *, team_id: str, model: str, batch_id: str, token_estimate: int) -> list[BatchError]:
     """Batch-level validation errors if admitting this batch would break the team's quota."""
     quota = session.get(Quota, (team_id, model))
     if quota is None or (quota.max_enqueued_tokens is None and quota.max_concurrent_batches is None):
@@ -73,7 +70,7 @@ def quota_errors(
             Batch.id != batch_id,
         )
     ).one()
-    errors = []
+    errors: list[BatchError] = []
     if quota.max_concurrent_batches is not None and running + 1 > quota.max_concurrent_batches:
         errors.append(
             _error(
@@ -92,5 +89,5 @@ def quota_errors(
     return errors
 
 
-def _error(message: str) -> dict[str, Any]:
-    return {"code": QUOTA_ERROR_CODE, "message": message, "param": None, "line": None}
+def _error(message: str) -> BatchError:
+    return batch_error(QUOTA_ERROR_CODE, message)

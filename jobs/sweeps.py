@@ -14,6 +14,7 @@ from datetime import datetime
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
+from backfill.jobs.batch_errors import batch_error
 from backfill.jobs.models import (
     RUNNING_LINES,
     TERMINAL_STATUSES,
@@ -150,12 +151,7 @@ def settled(session: Session, batch_ids: Sequence[str], *, status: BatchStatus) 
     return [batch_id for batch_id in in_status if not has_running(session, batch_id)]
 
 
-EXPIRED_BEFORE_VALIDATION = {
-    "code": "batch_expired",
-    "message": "The batch expired before its input file could be validated.",
-    "param": None,
-    "line": None,
-}
+EXPIRED_BEFORE_VALIDATION = batch_error("batch_expired", "The batch expired before its input file could be validated.")
 
 
 def expire_overdue(session: Session, *, now: datetime | None = None) -> list[str]:

@@ -20,6 +20,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 
+from backfill.jobs.batch_errors import batch_error
 from backfill.jobs.catalog import FleetUnavailable
 from backfill.jobs.index_writer import write_index
 from backfill.jobs.input_lines import iter_lines, iter_lines_bounded
@@ -28,7 +29,6 @@ from backfill.jobs.quotas import quota_errors
 from backfill.jobs.request_index import INDEX_COLUMNS, RequestIndex
 from backfill.jobs.validation_lines import INT64_MAX, max_output_tokens, prompt_text
 from backfill.jobs.validation_scan import (
-    MESSAGE_CHARS,
     Limits,
     LineScan,
     ValidationResult,
@@ -37,6 +37,7 @@ from backfill.jobs.validation_scan import (
     validate_lines,
 )
 from backfill.jobs.webhooks import record_batch_event
+from backfill.storage.objects import is_transient as is_transient_object_store_error
 
 # iter_lines, max_output_tokens and prompt_text are also read by the CLI's local estimate.
 UnitOfWork = Callable[[], AbstractContextManager[Session]]
@@ -147,11 +148,10 @@ def fail_batch_validation(session: Session, *, batch_id: str, message: str) -> s
     Compare-and-set on the status, so it is idempotent and never touches a batch that has
     moved on (validated, cancelled, expired); a cancelling batch is ended by finalization.
     """
-    error = {"code": VALIDATION_FAILED_CODE, "message": message[:MESSAGE_CHARS], "param": None, "line": None}
     moved = session.execute(
         update(Batch)
         .where(Batch.id == batch_id, Batch.status == BatchStatus.validating)
-        .values(status=BatchStatus.failed, failed_at=utcnow(), errors=[error])
+        .values(status=BatchStatus.failed, failed_at=utcnow(), errors=[batch_error(VALIDATION_FAILED_CODE, message)])
         .execution_options(synchronize_session=False)
     )
     if moved.rowcount:  # type: ignore[attr-defined]
@@ -168,15 +168,7 @@ def is_transient_validation_error(exc: BaseException) -> bool:
         return True
     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
         return True
-    try:
-        from botocore import exceptions as s3
-    except ImportError:  # the embedded mode's local object store needs no botocore
-        return False
-    if isinstance(exc, s3.ClientError):
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        return status >= 500 or exc.response.get("Error", {}).get("Code") in ("SlowDown", "Throttling")
-    # Connecting, reading and streaming; not configuration, credentials or parameters.
-    return isinstance(exc, s3.ConnectionError | s3.HTTPClientError | s3.IncompleteReadError)
+    return is_transient_object_store_error(exc)
 
 
 def validation_failure_message(exc: BaseException) -> str:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
+from backfill.jobs.batch_errors import BatchError, batch_error
 from backfill.jobs.input_lines import iter_lines_bounded
 from backfill.jobs.validation_lines import INT32_MAX, SeenIds, duplicate_id_message
 from backfill.jobs.validation_scan import (
@@ -193,7 +194,7 @@ def merge_scans(first: LineScan, rest: Sequence[PackedScan], limits: Limits) -> 
     for k, packed in enumerate(rest, start=1):
         scan, ids, id_lines = packed.scan, packed.ids.split("\0") if packed.ids else [], packed.id_lines
         part = scan.result
-        errors += [{**e, "line": e["line"] + lines} if e["line"] is not None else e for e in part.errors]
+        errors += [_shifted(e, lines) for e in part.errors]
         result.error_count += part.error_count
         result.token_estimate += part.token_estimate
         for model, line in scan.models.items():
@@ -218,26 +219,20 @@ def merge_scans(first: LineScan, rest: Sequence[PackedScan], limits: Limits) -> 
     max_requests = min(limits.max_requests, INT32_MAX)
     if not merged.stopped and (merged.requests > max_requests or lines > INT32_MAX):
         result.error_count += 1
-        errors.append(
-            {
-                "code": "too_many_requests",
-                "message": too_many_requests_message(max_requests),
-                "param": None,
-                "line": None,
-            }
-        )
+        errors.append(batch_error("too_many_requests", too_many_requests_message(max_requests)))
     errors.sort(key=lambda e: (e["line"] is None, e["line"] or 0))
     result.errors = errors[: limits.max_errors]
     return merged
 
 
-def _duplicate(custom_id: str, line: int) -> dict[str, object]:
-    return {
-        "code": "duplicate_custom_id",
-        "message": duplicate_id_message(custom_id),
-        "param": "custom_id",
-        "line": line,
-    }
+def _duplicate(custom_id: str, line: int) -> BatchError:
+    return batch_error("duplicate_custom_id", duplicate_id_message(custom_id), line=line, param="custom_id")
+
+
+def _shifted(error: BatchError, lines: int) -> BatchError:
+    """An error of a later range, its line numbered in the whole file (`lines` before the range)."""
+    line = error["line"]
+    return error if line is None else {**error, "line": line + lines}
 
 
 if __name__ == "__main__":  # a scanner: see _start_scanner

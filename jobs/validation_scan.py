@@ -7,15 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
+from backfill.jobs.batch_errors import BatchError, batch_error
 from backfill.jobs.input_lines import iter_lines_bounded
 from backfill.jobs.prefixes import PromptBlocks, TextBlocks
 from backfill.jobs.request_index import RequestIndex
 from backfill.jobs.validation_fast import line_checker
 from backfill.jobs.validation_lines import INT32_MAX, INT64_MAX, SeenIds, check_line, quote
-
-MESSAGE_CHARS = 500
 
 
 @dataclass
@@ -27,7 +25,7 @@ class Limits:
 
 @dataclass
 class ValidationResult:
-    errors: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[BatchError] = field(default_factory=list)
     error_count: int = 0
     requests: RequestIndex = field(default_factory=RequestIndex)
     model: str | None = None
@@ -36,7 +34,7 @@ class ValidationResult:
     def add_error(self, limits: Limits, *, code: str, message: str, line: int | None, param: str | None = None) -> None:
         self.error_count += 1
         if len(self.errors) < limits.max_errors:
-            self.errors.append({"code": code, "message": message[:MESSAGE_CHARS], "param": param, "line": line})
+            self.errors.append(batch_error(code, message, line=line, param=param))
 
 
 @dataclass
@@ -152,14 +150,8 @@ def finish_validation(scan: LineScan, *, limits: Limits, served_models: set[str]
         result.add_error(limits, code="empty_file", message="The input file has no requests.", line=None)
     _check_models(result, limits, scan.models, served_models)
     if result.error_count > len(result.errors):
-        result.errors.append(
-            {
-                "code": "too_many_errors",
-                "message": f"{result.error_count - len(result.errors)} more errors were not listed.",
-                "param": None,
-                "line": None,
-            }
-        )
+        unlisted = result.error_count - len(result.errors)
+        result.errors.append(batch_error("too_many_errors", f"{unlisted} more errors were not listed."))
     return result
 
 

@@ -279,6 +279,20 @@ class S3ObjectStore:
                 yield StoredObject(item["Key"], int(item["Size"]), item["LastModified"])
 
 
+def is_transient(exc: BaseException) -> bool:
+    """Whether an object store call that raised `exc` may succeed if tried again later: S3
+    answering 5xx or throttling, or the connection failing while connecting, reading or
+    streaming. Not configuration, credentials or parameters, nor a missing object."""
+    try:
+        from botocore import exceptions as s3
+    except ImportError:  # the embedded mode's local object store needs no botocore
+        return False
+    if isinstance(exc, s3.ClientError):
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        return status >= 500 or exc.response.get("Error", {}).get("Code") in ("SlowDown", "Throttling")
+    return isinstance(exc, s3.ConnectionError | s3.HTTPClientError | s3.IncompleteReadError)
+
+
 @lru_cache
 def get_object_store() -> ObjectStore:
     s = get_settings()
