@@ -35,9 +35,10 @@ from backfill.scheduler.fleet import FleetClient, FleetReply
 from backfill.scheduler.leases import LeaseStore
 from backfill.scheduler.metrics import record_fleet_reply
 from backfill.scheduler.n_expansion import post_request
-from backfill.scheduler.recorder import Done, Recorder, transient_db_error
+from backfill.scheduler.recorder import Done, Recorder
 from backfill.scheduler.routing_hints import add_routing_hints
 from backfill.scheduler.shedding import InflightCalls
+from backfill.storage.db import is_transient
 from backfill.storage.objects import ObjectStore
 
 log = logging.getLogger("backfill.dispatch")
@@ -203,7 +204,7 @@ class Dispatcher:
                 continue
             except Exception as exc:
                 await self._give_back(leases)
-                if not transient_db_error(exc):
+                if not is_transient(exc):
                     raise
                 self._claim_in_doubt = True
                 self.recorder.unreachable(exc)

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from sqlalchemy import text
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_random_exponential
 
 from backfill.jobs.claims import ClaimedRequest, release_for_retry, requeue_unstarted
@@ -31,7 +30,7 @@ from backfill.jobs.replies import Outcome, normalise_body, request_id_of, usage_
 from backfill.jobs.results import attempts_exceeded, record_outcomes
 from backfill.jobs.sweeps import lines_held_by
 from backfill.scheduler.fleet import FleetReply
-from backfill.storage.db import unit_of_work
+from backfill.storage.db import is_transient, unit_of_work
 
 log = logging.getLogger("backfill.dispatch")
 
@@ -46,13 +45,6 @@ UNRECORDABLE = FleetReply(500, b'{"error":{"message":"result not recordable"}}',
 class Done:
     request: ClaimedRequest
     reply: FleetReply | None  # None: aborted to give capacity back; requeued, no attempt spent
-
-
-def transient_db_error(exc: BaseException) -> bool:
-    """The database could not be reached or dropped the connection (or a deadlock): try again."""
-    if isinstance(exc, OperationalError | InterfaceError):
-        return True
-    return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
 
 
 class Recorder:
@@ -121,7 +113,7 @@ class Recorder:
                 self._back()
                 return
             except Exception as exc:
-                if not transient_db_error(exc):
+                if not is_transient(exc):
                     raise
             try:
                 await asyncio.wait_for(self.db_ok.wait(), timeout=delay)
@@ -145,7 +137,7 @@ class Recorder:
                 await asyncio.to_thread(self._requeue_unsent)
                 return
             except Exception as exc:
-                if not transient_db_error(exc):
+                if not is_transient(exc):
                     raise
                 finish_by = self.finish_by()
                 if time.monotonic() >= min(give_up_at, give_up_at if finish_by is None else finish_by):
@@ -168,7 +160,7 @@ class Recorder:
     async def _commit_group(self, group: list[Done]) -> None:
         try:
             async for attempt in AsyncRetrying(
-                retry=retry_if_exception(transient_db_error),
+                retry=retry_if_exception(is_transient),
                 wait=wait_random_exponential(multiplier=0.05, max=DB_RETRY_MAX_S),
                 stop=self._out_of_patience,
                 before_sleep=lambda state: self.unreachable(state.outcome.exception() if state.outcome else None),
@@ -178,7 +170,7 @@ class Recorder:
                     await asyncio.to_thread(self._commit, group)
             self._back()
         except Exception as exc:
-            if transient_db_error(exc):
+            if is_transient(exc):
                 # The lines stay running under this holder; once it is gone they are reclaimed.
                 self.given_up.update((d.request.batch_id, d.request.line) for d in group)
                 log.error("database away too long: %d replies given up (their lines will be reclaimed)", len(group))

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from functools import lru_cache
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
 from backfill.storage.settings import get_settings
@@ -31,6 +32,14 @@ def make_engine(url: str) -> Engine:
 
         return engine
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """The database could not be reached or dropped the connection (or a deadlock): the same
+    work may succeed if tried again. Anything else is the database refusing the work itself."""
+    if isinstance(exc, OperationalError | InterfaceError):
+        return True
+    return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
 
 
 @lru_cache
