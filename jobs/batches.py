@@ -124,6 +124,11 @@ def cancel_batch(session: Session, *, team_id: str | None, batch_id: str) -> Bat
 
 
 def _move_to_cancelling(session: Session, batch: Batch) -> None:
+    # The batch row FOR UPDATE first, as expiry does (`jobs.sweeps.expire_overdue`): it waits for
+    # the claims in flight (each holds FOR KEY SHARE on the row, `jobs.claims`), so their lines
+    # are seen running and drained before finalization. A plain UPDATE does not conflict with
+    # FOR KEY SHARE: a line claimed meanwhile ran and was billed after the files were written.
+    session.execute(select(Batch.id).where(Batch.id == batch.id).with_for_update())
     result = session.execute(
         update(Batch)
         .where(Batch.id == batch.id, Batch.status.in_([BatchStatus.validating, BatchStatus.in_progress]))

@@ -166,11 +166,19 @@ class Ticker:
             self._nudged[(task, batch_id)] = now
             self.enqueue(task, batch_id)
 
+    def _forget_nudges(self, wanted: set[tuple[TaskName, str]]) -> None:
+        """Keep only the nudges still spacing out a nudge this tick might send: a batch no longer
+        in a state that needs nudging (finished, say) is forgotten, and so is any nudge older
+        than RENUDGE_S (it no longer holds the next one back). Else one entry per batch, forever."""
+        now = time.monotonic()
+        self._nudged = {k: at for k, at in self._nudged.items() if k in wanted and now - at < RENUDGE_S}
+
     def tick(self) -> None:
         with unit_of_work() as session:
             expired = sweeps.expire_overdue(session)
         with unit_of_work() as session:
             to_finalize = sweeps.batches_to_finalize(session)
+        wanted = {(TaskName.finalize_batch, b) for b in (*to_finalize, *expired)}
         for batch_id in to_finalize:
             self._nudge(TaskName.finalize_batch, batch_id)
         self._finalize_as_they_settle([b for b in expired if b not in to_finalize])
@@ -191,6 +199,9 @@ class Ticker:
             waiting += sweeps.indexing_batches(session, started_before=stale)
             pending = sweeps.pending_batches(session)
             has_work = bool(pending)
+        wanted |= {(TaskName.validate_batch, b) for b in waiting}
+        # (The stall check's own nudges drop their entry before they nudge: nothing to keep.)
+        self._forget_nudges(wanted)
         for batch_id in waiting:
             self._nudge(TaskName.validate_batch, batch_id)
         try:

@@ -213,3 +213,23 @@ def test_a_batch_that_expires_while_a_line_is_recorded_is_finalized_in_the_same_
         states = s.execute(select(BatchRequest.line, BatchRequest.state).where(BatchRequest.batch_id == batch_id)).all()
     assert sorted(states) == [(1, RequestState.succeeded), (2, RequestState.expired)]
     assert (TaskName.finalize_batch, (batch_id,)) in sent
+
+
+def test_nudges_of_batches_that_finished_are_forgotten(scratch_db: str) -> None:
+    """The ticker remembers when it last nudged each batch, to space nudges out: once a batch
+    no longer needs nudging (it finished), it must be forgotten, or a scheduler running for
+    months holds an entry for every batch it ever finalized or validated."""
+    with unit_of_work() as s:
+        team = Team(name="ticker-forget")
+        s.add(team)
+        s.flush()
+        team_id = team.id
+    finalizing = [_batch(team_id, BatchStatus.finalizing) for _ in range(3)]
+    validating = _batch(team_id, BatchStatus.validating, age_s=60)
+    ticker = Ticker(leases=SqlLeaseStore(), enqueue=lambda name, /, *args: None, drains=0)
+    ticker.tick()
+    assert {b for _, b in ticker._nudged} >= {*finalizing, validating}
+    with unit_of_work() as s:
+        s.execute(update(Batch).where(Batch.id.in_([*finalizing, validating])).values(status=BatchStatus.completed))
+    ticker.tick()
+    assert not {b for _, b in ticker._nudged} & {*finalizing, validating}, ticker._nudged
