@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
@@ -34,6 +34,7 @@ USAGE_LIMITS = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}
 COSTS_LIMITS = (7, 180)
 USAGE_GROUPS = frozenset({"project_id", "api_key_id", "model", "batch"})
 COSTS_GROUPS = frozenset({"project_id", "line_item"})
+LATEST = datetime(9999, 1, 1, tzinfo=UTC)
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,15 @@ def _window(start_time: int, end_time: int | None, width_s: int, limit: int, pag
     # same interval whatever start_time a caller picks; the page cursor is the next bucket's start.
     start = align(from_unix(start_time, param="start_time"), width_s)
     end = from_unix(end_time, param="end_time") if end_time is not None else utcnow()
+    # Bucket arithmetic adds up to half a year to these: keep every sum a date Python can hold.
+    for moment, name in ((start, "start_time"), (end, "end_time")):
+        if moment >= LATEST:
+            raise InvalidRequest(f"'{name}' must be before {LATEST:%Y-%m-%d} (Unix time {ts(LATEST)}).", param=name)
     if end <= start:
         raise InvalidRequest("'end_time' must be after 'start_time'.", param="end_time")
     if page is not None:
-        cursor = int(page) if page.isdigit() else -1
+        # ASCII digits only: str.isdigit() also says yes to "²", which int() refuses.
+        cursor = int(page) if page.isascii() and page.isdigit() and len(page) <= 12 else -1
         moment = from_unix(cursor, param="page") if cursor >= 0 else None
         if moment is None or moment < start or moment >= end or align(moment, width_s) != moment:
             raise InvalidRequest("'page' is not a cursor this query returned.", param="page")
