@@ -112,9 +112,34 @@ def test_ready_names_the_database_when_it_is_down(api: CheckedClient, settings_e
     body = r.json()
     assert body["status"] == "not_ready" and body["failed"] == ["database"]
     assert body["checks"]["database"]["status"] == "failed"
-    assert "OperationalError" in body["checks"]["database"]["error"]
     assert body["checks"]["broker"]["status"] == "ok"
     assert _unlisted(api, "/health").status_code == 200  # alive, just not ready
+
+
+def test_ready_tells_what_went_wrong_only_to_an_admin(
+    api: CheckedClient, api_env: ApiEnv, team: Team, settings_env: pytest.MonkeyPatch
+) -> None:
+    # The broker's URL carries a host, a user and a password: the error text would show some.
+    settings_env.setenv("BACKFILL_BROKER_URL", "redis://svc-user:hunter2-secret@127.0.0.1:9/0")
+    _clear_caches()
+    anonymous, as_team = api.get("/ready"), api.get("/ready", headers=team.headers)
+    for r in (anonymous, as_team):
+        assert r.status_code == 503 and r.json()["failed"] == ["broker"], r.text
+        assert r.json()["checks"]["broker"] == {
+            "status": "failed",
+            "duration_ms": r.json()["checks"]["broker"]["duration_ms"],
+            "error": None,
+        }
+        assert "127.0.0.1" not in r.text and "svc-user" not in r.text and "Error" not in r.text
+    admin = api.get("/ready", headers={"Authorization": f"Bearer {api_env.admin_key}"})
+    assert admin.status_code == 503 and admin.json()["checks"]["broker"]["error"], admin.text
+
+    # With the database down an admin key cannot be looked up: the configured one still counts.
+    settings_env.setenv("BACKFILL_DATABASE_URL", CLOSED_PORT_DB)
+    _clear_caches()
+    assert api.get("/ready").json()["checks"]["database"]["error"] is None
+    admin = api.get("/ready", headers={"Authorization": f"Bearer {api_env.admin_key}"})
+    assert "OperationalError" in admin.json()["checks"]["database"]["error"], admin.text
 
 
 def test_the_access_log_has_a_line_per_request_and_never_a_key(
