@@ -38,7 +38,9 @@ class Price(Base):
 
 
 class UsageLedgerEntry(Base):
-    """One row per executed (succeeded) request, written in the transaction that records its result.
+    """One row per executed (succeeded) request, written in the transaction that records its result;
+    once the batch ends, its rows are rolled up into one per minute, key, model and price
+    (`requests` lines each, with a negative `line`: `jobs.ledger_rollup`).
 
     No cascades: a billing record outlives whatever it refers to.
     """
@@ -62,6 +64,8 @@ class UsageLedgerEntry(Base):
     output_cost_micros: Mapped[int] = mapped_column(BigInteger, default=0)
     cost_micros: Mapped[int] = mapped_column(BigInteger, default=0)
     recorded_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
+    # How many billed lines the row stands for: 1, or a rollup's count.
+    requests: Mapped[int] = mapped_column(BigInteger, default=1, server_default="1")
 
     __table_args__ = (
         # The ledger's idempotency: a request is billed at most once, whatever runs twice.

@@ -41,7 +41,7 @@ class CostSoFar:
 def cost_so_far(session: Session, batch: Batch) -> CostSoFar:
     requests, prompt, cached, completion, cost = session.execute(
         select(
-            func.count(),
+            func.coalesce(func.sum(UsageLedgerEntry.requests), 0),
             func.coalesce(func.sum(UsageLedgerEntry.prompt_tokens), 0),
             func.coalesce(func.sum(UsageLedgerEntry.cached_tokens), 0),
             func.coalesce(func.sum(UsageLedgerEntry.completion_tokens), 0),

@@ -184,8 +184,10 @@ class Batch(Base):
     # Estimated prompt + max output tokens of the whole batch (quotas, forecasts).
     token_estimate: Mapped[int] = mapped_column(BigInteger, default=0)
     price_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    # When retention removed the response bodies from the database (the result files keep them).
+    # When retention removed the batch's line rows from the database (the result files keep them).
     bodies_purged_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+    # When the batch's per-line ledger rows were rolled up (`jobs.ledger_rollup`).
+    ledger_rolled_up_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
 
     __table_args__ = (Index("ix_batches_team_created", "team_id", "created_at", "id"),)
 

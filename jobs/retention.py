@@ -6,8 +6,10 @@ Run by the scheduler loop every `retention_interval_s`; each step is idempotent 
 - The object of an expired or deleted file is removed once no unfinished batch reads it.
 - Objects without a file row (an upload or finalization that died before its row was
   written) are collected after a grace period long enough for a live one to finish.
-- The fleet's response bodies leave the database once the batch's result files are written
-  and a grace period has passed (a finalization redelivered inside it still reads them).
+- A batch's line rows (its request index, with the fleet's response bodies) leave the database
+  once its result files are written and a grace period has passed (a finalization redelivered
+  inside it still reads them); its ledger is rolled up as soon as it ends (`jobs.ledger_rollup`).
+  A finished batch then leaves a few rows, however many lines it had.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import and_, exists, or_, select, update
+from sqlalchemy import and_, delete, exists, or_, select, update
 from sqlalchemy.orm import Session
 
+from backfill.jobs.ledger_rollup import roll_up_ledgers
 from backfill.jobs.models import TERMINAL_STATUSES, Batch, BatchRequest, File, utcnow
 from backfill.storage.objects import ObjectStore
 
@@ -27,7 +30,7 @@ OBJECT_PREFIXES = ("files/", "batches/")
 @dataclass(frozen=True)
 class RetentionPolicy:
     orphan_grace_s: float = 3600.0
-    # Seconds after a batch ends before its response bodies leave the database; < 0 keeps them.
+    # Seconds after a batch ends before its line rows leave the database; < 0 keeps them.
     result_body_grace_s: float = 3600.0
     batch_size: int = 500
 
@@ -36,10 +39,11 @@ class RetentionPolicy:
 class RetentionReport:
     file_objects: int = 0
     orphans: int = 0
-    body_batches: int = 0
+    body_batches: int = 0  # batches whose line rows were removed
+    ledgers: int = 0  # batches whose ledger was rolled up
 
     def __bool__(self) -> bool:
-        return bool(self.file_objects or self.orphans or self.body_batches)
+        return bool(self.file_objects or self.orphans or self.body_batches or self.ledgers)
 
 
 def purge_file_objects(session: Session, store: ObjectStore, *, now: datetime, limit: int) -> int:
@@ -81,7 +85,7 @@ def collect_orphans(session: Session, store: ObjectStore, *, now: datetime, grac
 
 
 def purge_result_bodies(session: Session, *, now: datetime, grace_s: float, limit: int) -> int:
-    """Null the response bodies of batches whose result files were written long enough ago."""
+    """Delete the line rows of batches whose result files were written long enough ago."""
     if grace_s < 0:
         return 0
     cutoff = now - timedelta(seconds=grace_s)
@@ -104,9 +108,8 @@ def purge_result_bodies(session: Session, *, now: datetime, grace_s: float, limi
     )
     for batch_id in batch_ids:
         session.execute(
-            update(BatchRequest)
-            .where(BatchRequest.batch_id == batch_id, BatchRequest.response_body.is_not(None))
-            .values(response_body=None)
+            delete(BatchRequest)
+            .where(BatchRequest.batch_id == batch_id)
             .execution_options(synchronize_session=False)
         )
         session.execute(update(Batch).where(Batch.id == batch_id).values(bodies_purged_at=now))
@@ -121,4 +124,5 @@ def run_retention(
         file_objects=purge_file_objects(session, store, now=now, limit=policy.batch_size),
         orphans=collect_orphans(session, store, now=now, grace_s=policy.orphan_grace_s, limit=policy.batch_size),
         body_batches=purge_result_bodies(session, now=now, grace_s=policy.result_body_grace_s, limit=policy.batch_size),
+        ledgers=roll_up_ledgers(session, now=now, limit=policy.batch_size),
     )

@@ -1,7 +1,8 @@
 """Reading the usage ledger back: totals per time bucket, optionally per team, API key and model.
 
-Aggregation happens in the database (the ledger has a row per request); buckets are counted
-in whole seconds from `start`, which callers align to the bucket width.
+Aggregation happens in the database (a ledger row per request, or per minute once its batch is
+rolled up: `requests` counts them); buckets are counted in whole seconds from `start`, which
+callers align to the bucket width.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from sqlalchemy.orm import Session
 from backfill.jobs.billing_models import UsageLedgerEntry
 
 BUCKET_WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 @dataclass(frozen=True)
@@ -42,11 +43,11 @@ class UsageTotals:
 
 def align(moment: datetime, width_s: int) -> datetime:
     """The start of the bucket holding `moment`, on the UTC epoch grid (days start at 00:00 UTC)."""
-    seconds = int((moment - _EPOCH).total_seconds())
-    return _EPOCH + timedelta(seconds=seconds - seconds % width_s)
+    seconds = int((moment - EPOCH).total_seconds())
+    return EPOCH + timedelta(seconds=seconds - seconds % width_s)
 
 
-def _epoch_seconds(session: Session) -> ColumnElement[int]:
+def epoch_seconds(session: Session) -> ColumnElement[int]:
     column = UsageLedgerEntry.recorded_at
     if session.get_bind().dialect.name == "postgresql":
         return cast(func.floor(func.extract("epoch", column)), BigInteger)
@@ -73,9 +74,9 @@ def usage_totals(
     """
     if team_ids is not None and not team_ids:
         return []
-    start_s = int((start - _EPOCH).total_seconds())
+    start_s = int((start - EPOCH).total_seconds())
     # Integers inlined, not bound: Postgres must see the same expression in SELECT and GROUP BY.
-    offset = _epoch_seconds(session) - literal_column(str(start_s), BigInteger)
+    offset = epoch_seconds(session) - literal_column(str(start_s), BigInteger)
     bucket = (offset // literal_column(str(int(width_s)), BigInteger)).label("bucket")
     keys: list[ColumnElement[Any]] = [bucket]
     if by_team:
@@ -85,7 +86,7 @@ def usage_totals(
     if by_model:
         keys.append(UsageLedgerEntry.model.expression)
     sums = [
-        func.count(),
+        func.coalesce(func.sum(UsageLedgerEntry.requests), 0),
         func.coalesce(func.sum(UsageLedgerEntry.prompt_tokens), 0),
         func.coalesce(func.sum(UsageLedgerEntry.cached_tokens), 0),
         func.coalesce(func.sum(UsageLedgerEntry.completion_tokens), 0),

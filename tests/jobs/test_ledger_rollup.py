@@ -1,0 +1,104 @@
+"""A finished batch leaves a few rows: its ledger is rolled up per minute, key, model and price, and
+its line rows go once retention's grace has passed, while every usage figure stays the same."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+from pathlib import Path
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from backfill.jobs import billing
+from backfill.jobs.billing_models import UsageLedgerEntry
+from backfill.jobs.claims import claim_requests
+from backfill.jobs.forecast import CostSoFar, cost_so_far
+from backfill.jobs.ledger_rollup import roll_up_ledger
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
+from backfill.jobs.replies import Outcome, Usage
+from backfill.jobs.results import record_outcome
+from backfill.jobs.retention import RetentionPolicy, run_retention
+from backfill.jobs.usage import align, usage_totals
+from backfill.storage.objects import LocalObjectStore
+from tests.factories import make_batch
+
+LINES = 40
+
+
+def _cost(c: CostSoFar) -> tuple[int, ...]:
+    return (c.cost_micros, c.requests, c.prompt_tokens, c.cached_tokens, c.completion_tokens)
+
+
+def _usage(s: Session, *, width_s: int) -> list[tuple[object, ...]]:
+    start = align(utcnow() - timedelta(days=1), width_s)
+    rows = usage_totals(s, start=start, end=utcnow() + timedelta(days=1), width_s=width_s, by_team=True, by_model=True)
+    return [dataclasses.astuple(r) for r in rows]
+
+
+def _finished_batch(db: sessionmaker[Session]) -> tuple[str, str]:
+    with db.begin() as s:
+        team = Team(name="t")
+        s.add(team)
+        s.flush()
+        billing.set_price(s, model="m", input_micros=150_000, cached_input_micros=75_000, output_micros=600_000)
+        batch = make_batch(s, team, lines=LINES)
+        batch_id, team_id = batch.id, team.id
+    with db.begin() as s:
+        claim_requests(s, batch_id=batch_id, limit=LINES, claim_token="a")
+        for line in range(1, LINES + 1):
+            failed = line % 10 == 0  # a failed line costs nothing and has no ledger row
+            outcome = Outcome(
+                400 if failed else 200, b"{}", "req", Usage(100 + line, line % 7, 20 + line % 3, 0)
+            )
+            assert record_outcome(s, batch_id=batch_id, line=line, claim_token="a", outcome=outcome)
+    with db.begin() as s:
+        done = s.get(Batch, batch_id)
+        assert done is not None
+        done.status = BatchStatus.completed
+        done.completed_at = utcnow()
+        done.output_file_id = "out"
+    return batch_id, team_id
+
+
+def test_rollup_keeps_every_usage_figure_and_leaves_a_few_rows(db: sessionmaker[Session]) -> None:
+    batch_id, _ = _finished_batch(db)
+    with db() as s:
+        before = {w: _usage(s, width_s=w) for w in (60, 3600, 86400)}
+        batch = s.get(Batch, batch_id)
+        assert batch is not None
+        cost_before = _cost(cost_so_far(s, batch))
+        assert s.execute(select(func.count()).select_from(UsageLedgerEntry)).scalar_one() == LINES - LINES // 10
+    with db.begin() as s:
+        assert roll_up_ledger(s, batch_id, now=utcnow()) == 1
+    with db.begin() as s:  # a second run (a retry, another replica) changes nothing
+        assert roll_up_ledger(s, batch_id, now=utcnow()) == 0
+    with db() as s:
+        rows = s.execute(select(UsageLedgerEntry)).scalars().all()
+        assert 1 <= len(rows) <= 2  # one per minute the lines were recorded in
+        assert all(r.line < 0 for r in rows)
+        assert sum(r.requests for r in rows) == LINES - LINES // 10
+        assert {w: _usage(s, width_s=w) for w in (60, 3600, 86400)} == before
+        batch = s.get(Batch, batch_id)
+        assert batch is not None
+        assert _cost(cost_so_far(s, batch)) == cost_before
+
+
+def test_retention_removes_the_line_rows_and_rolls_up_the_ledger(db: sessionmaker[Session], tmp_path: Path) -> None:
+    batch_id, _ = _finished_batch(db)
+    store = LocalObjectStore(tmp_path / "objects")
+    policy = RetentionPolicy(orphan_grace_s=3600, result_body_grace_s=3600)
+    with db.begin() as s:  # the batch just ended: its ledger rolls up, its lines stay for the grace period
+        report = run_retention(s, store, policy=policy)
+        assert (report.ledgers, report.body_batches) == (1, 0)
+    with db() as s:
+        assert s.execute(select(func.count()).where(BatchRequest.batch_id == batch_id)).scalar_one() == LINES
+    with db.begin() as s:
+        report = run_retention(s, store, policy=policy, now=utcnow() + timedelta(hours=2))
+        assert (report.ledgers, report.body_batches) == (0, 1)
+    with db() as s:
+        assert s.execute(select(func.count()).where(BatchRequest.batch_id == batch_id)).scalar_one() == 0
+        assert s.execute(select(func.count()).select_from(UsageLedgerEntry)).scalar_one() <= 2
+        batch = s.get(Batch, batch_id)
+        assert batch is not None and batch.bodies_purged_at is not None
+        assert (batch.completed, batch.failed) == (LINES - LINES // 10, LINES // 10)  # the counters stay
