@@ -60,8 +60,8 @@ def _window(start_time: int, end_time: int | None, width_s: int, limit: int, pag
     start = align(from_unix(start_time, param="start_time"), width_s)
     end = from_unix(end_time, param="end_time") if end_time is not None else utcnow()
     # Bucket arithmetic adds up to half a year to these: keep every sum a date Python can hold.
-    for moment, name in ((start, "start_time"), (end, "end_time")):
-        if moment >= LATEST:
+    for bound, name in ((start, "start_time"), (end, "end_time")):
+        if bound >= LATEST:
             raise InvalidRequest(f"'{name}' must be before {LATEST:%Y-%m-%d} (Unix time {ts(LATEST)}).", param=name)
     if end <= start:
         raise InvalidRequest("'end_time' must be after 'start_time'.", param="end_time")
