@@ -10,8 +10,14 @@ Refusals follow OpenAI: status 429, `Retry-After`, the `x-ratelimit-*-requests` 
 for a requests-per-minute limit (`"tokens"` is its token limit), which the openai SDKs raise
 as `RateLimitError` and retry after the given delay.
 
-Requests without a bearer token are not counted (they are refused by authentication), nor
-the probes in `exempt`. If the storage fails, requests pass (and a warning is logged at most
+Failed authentications are limited too, per client address (`BACKFILL_AUTH_FAILURE_LIMIT`):
+each made-up key costs a key lookup and a window of its own in the per-key limit, so past the
+limit an address gets 429 for any request with a key, without a lookup, until its window moves
+on. (Behind a proxy, the client address is the proxy's unless uvicorn is told to trust its
+`X-Forwarded-For`.)
+
+Requests without a bearer token are not counted (they are refused by authentication without a
+lookup), nor the probes in `exempt`. If the storage fails, requests pass (and a warning is logged at most
 once a minute): a broken Redis must not take the API down with it.
 """
 
@@ -39,6 +45,7 @@ log = logging.getLogger("backfill.api.ratelimit")
 DEFAULT_RATE_LIMIT = "600/minute"
 KEY_PREFIX = "backfill:ratelimit"
 NAMESPACE = "api"
+AUTH_FAILURE_NAMESPACE = "auth-failures"
 WARN_EVERY_S = 60.0
 
 
@@ -46,6 +53,11 @@ def configured_limit() -> str:
     """`BACKFILL_RATE_LIMIT` in `limits` notation ("600/minute", "20/second"); empty or "off"
     turns the limit off."""
     return get_settings().rate_limit.strip()
+
+
+def _item(text: str) -> RateLimitItem | None:
+    text = text.strip()
+    return None if text.lower() in ("", "off", "0") else parse(text)
 
 
 def configured_storage_uri() -> str:
@@ -86,12 +98,13 @@ class RateLimit:
         app: ASGIApp,
         *,
         limit: str | None = None,
+        auth_failure_limit: str | None = None,
         storage_uri: str | None = None,
         exempt: tuple[str, ...] = ("/health", "/ready"),
     ) -> None:
         self.app = app
-        text = configured_limit() if limit is None else limit.strip()
-        self.item: RateLimitItem | None = None if text.lower() in ("", "off", "0") else parse(text)
+        self.item = _item(configured_limit() if limit is None else limit)
+        self.auth_item = _item(get_settings().auth_failure_limit if auth_failure_limit is None else auth_failure_limit)
         self.storage_uri = storage_uri or configured_storage_uri()
         self.exempt = frozenset(exempt)
         # Built at the first request: the Redis client belongs to the event loop that serves.
@@ -109,11 +122,19 @@ class RateLimit:
         if scope["type"] == "lifespan":
             await self.app(scope, self._closing_at_shutdown(receive), send)
             return
-        if self.item is None or scope["type"] != "http" or scope["path"].rstrip("/") in self.exempt:
+        if scope["type"] != "http" or scope["path"].rstrip("/") in self.exempt:
             await self.app(scope, receive, send)
             return
         digest = bearer_key_digest(scope)
         if digest is None:
+            await self.app(scope, receive, send)
+            return
+        address = str((scope.get("client") or ("unknown", 0))[0])
+        if self.auth_item is not None:
+            if await self._refuse_failing_address(address, send):
+                return
+            send = self._counting_failures(address, send)
+        if self.item is None:
             await self.app(scope, receive, send)
             return
         item = self.item
@@ -141,6 +162,44 @@ class RateLimit:
                 (b"x-ratelimit-reset-requests", _reset_words(retry_after).encode()),
             ),
         )
+
+    async def _refuse_failing_address(self, address: str, send: Send) -> bool:
+        """Answers 429 when `address` has failed authentication too often; returns whether it did."""
+        assert self.auth_item is not None
+        item = self.auth_item
+        try:
+            if await self.limiter().test(item, AUTH_FAILURE_NAMESPACE, address):
+                return False
+            stats = await self.limiter().get_window_stats(item, AUTH_FAILURE_NAMESPACE, address)
+        except StorageError as exc:
+            self._warn(exc)
+            return False
+        retry_after = max(1, math.ceil(stats.reset_time - time.time()))
+        await send_error(
+            send,
+            429,
+            f"Too many requests with an invalid API key from this address: limit {_per(item)}. "
+            f"Please try again in {_reset_words(retry_after)}.",
+            type_="requests",
+            code="rate_limit_exceeded",
+            headers=((b"retry-after", str(retry_after).encode()),),
+        )
+        return True
+
+    def _counting_failures(self, address: str, send: Send) -> Send:
+        """`send`, counting a 401 (a key that failed authentication) against the address."""
+        assert self.auth_item is not None
+        item = self.auth_item
+
+        async def counting(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 401:
+                try:
+                    await self.limiter().hit(item, AUTH_FAILURE_NAMESPACE, address)
+                except StorageError as exc:
+                    self._warn(exc)
+            await send(message)
+
+        return counting
 
     def _closing_at_shutdown(self, receive: Receive) -> Receive:
         async def wrapped() -> Message:

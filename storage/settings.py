@@ -52,6 +52,9 @@ class Settings(BaseSettings):
     # Per-key request rate on the API ("600/minute", "10/second"; "off" disables), counted in
     # Redis when redis_url is set (shared by every API process), in memory otherwise.
     rate_limit: str = "600/minute"
+    # Requests with a key that fails authentication, per client address ("off" disables): past
+    # it the address gets 429 without a key lookup until the window moves on.
+    auth_failure_limit: str = "30/minute"
     # Uploads held open at once (each holds a store writer): beyond these, 429 + Retry-After.
     max_concurrent_uploads: int = 8
     max_concurrent_uploads_per_key: int = 4

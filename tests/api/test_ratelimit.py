@@ -84,3 +84,44 @@ def test_requests_without_a_key_are_left_to_authentication(monkeypatch: pytest.M
     with serve(build_app()) as port:
         statuses = [httpx.get(f"http://127.0.0.1:{port}/v1/files", timeout=10).status_code for _ in range(3)]
     assert statuses == [401] * 3
+
+
+def test_failed_authentications_are_limited_by_client_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flood of made-up keys from one address: each costs a key lookup until the address has
+    failed too often, then 429 without any lookup; other addresses are not affected."""
+    from fastapi.testclient import TestClient
+
+    from backfill.jobs.teams import authenticate
+
+    monkeypatch.setenv("BACKFILL_AUTH_FAILURE_LIMIT", "5/minute")
+    lookups: list[str | None] = []
+
+    def counted(session: object, raw_key: str | None) -> object:
+        lookups.append(raw_key)
+        return authenticate(session, raw_key)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("backfill.api.deps.authenticate", counted)
+    _, good = api_key()
+    app = build_app()
+    with (
+        TestClient(app, client=("198.51.100.7", 40000)) as attacker,
+        TestClient(app, client=("203.0.113.9", 40001)) as other,
+    ):
+        statuses = [_bad(attacker, n).status_code for n in range(5)]
+        refused = [_bad(attacker, n) for n in range(5, 25)]
+        lookups_after_flood = len(lookups)
+        good_from_attacker = attacker.get("/v1/files", headers={"Authorization": f"Bearer {good}"})
+        good_from_other = other.get("/v1/files", headers={"Authorization": f"Bearer {good}"})
+        bad_from_other = _bad(other, 99)
+    assert statuses == [401] * 5
+    assert {r.status_code for r in refused} == {429}
+    assert lookups_after_flood == 5  # the refused ones never reached the keys table
+    error = refused[0].json()["error"]
+    assert set(refused[0].json()) == {"error"} and error["code"] == "rate_limit_exceeded"
+    assert 1 <= int(refused[0].headers["retry-after"]) <= 60
+    assert good_from_attacker.status_code == 429  # the address is held, whatever key it sends
+    assert good_from_other.status_code == 200 and bad_from_other.status_code == 401
+
+
+def _bad(client: object, n: int) -> httpx.Response:
+    return client.get("/v1/files", headers={"Authorization": f"Bearer sk-made-up-{n:04d}"})  # type: ignore[attr-defined, no-any-return]
