@@ -13,10 +13,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
 
 from sqlalchemy import delete, select, update
-from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 
@@ -37,6 +35,7 @@ from backfill.jobs.validation_scan import (
     validate_lines,
 )
 from backfill.jobs.webhooks import record_batch_event
+from backfill.storage.db import is_transient as is_transient_database_error
 from backfill.storage.objects import is_transient as is_transient_object_store_error
 
 # iter_lines, max_output_tokens and prompt_text are also read by the CLI's local estimate.
@@ -49,6 +48,7 @@ __all__ = [
     "RequestIndex",
     "ValidationResult",
     "apply_validation",
+    "end_cancelled_index",
     "fail_batch_validation",
     "finish_validation",
     "is_transient_validation_error",
@@ -72,13 +72,20 @@ INDEX_PART = 50_000
 
 
 def apply_validation(session: Session, *, batch_id: str, result: ValidationResult) -> str:
-    """Record the outcome. Idempotent: a redelivered validation replaces its own earlier index."""
+    """Record the outcome on a batch still validating: `failed` with the file's errors, else its
+    index's first part and `in_progress`. Idempotent: a redelivered validation replaces its own
+    earlier index.
+
+    A batch cancelled meanwhile gets nothing (its status is returned): none of its lines will
+    run, so it ends `cancelled` with no lines, as one cancelled before validation started
+    (finalized once settled: `jobs.sweeps.sweep_cancelling`)."""
+    # FOR UPDATE: a cancel waits for this transaction, so it finds the batch validated or not.
     batch = session.get(Batch, batch_id, with_for_update=True)
-    if batch is None or batch.status not in (BatchStatus.validating, BatchStatus.cancelling):
+    if batch is None or batch.status != BatchStatus.validating:
         return batch.status if batch else "missing"
     now = utcnow()
     token_estimate = min(result.token_estimate, INT64_MAX)
-    if not result.errors and result.model is not None and batch.status == BatchStatus.validating:
+    if not result.errors and result.model is not None:
         # Over quota fails like any validation error: no request index, so nothing is dispatched.
         result.errors.extend(
             quota_errors(
@@ -92,7 +99,7 @@ def apply_validation(session: Session, *, batch_id: str, result: ValidationResul
     if result.errors:
         session.execute(
             update(Batch)
-            .where(Batch.id == batch_id, Batch.status.in_([BatchStatus.validating, BatchStatus.cancelling]))
+            .where(Batch.id == batch_id, Batch.status == BatchStatus.validating)
             .values(status=BatchStatus.failed, failed_at=now, errors=result.errors, model=result.model)
         )
         record_batch_event(session, batch_id=batch_id, status=BatchStatus.failed)  # the webhook outbox
@@ -102,16 +109,19 @@ def apply_validation(session: Session, *, batch_id: str, result: ValidationResul
     # own: the batch runs from its first lines while the rest are written.
     first = min(len(result.requests), FIRST_INDEX_PART)
     write_index(session, batch_id=batch_id, requests=result.requests, ranks=range(first))
-    values: dict[str, Any] = {
-        "model": result.model,
-        "total": len(result.requests),
-        "unindexed": len(result.requests) - first,
-        "token_estimate": token_estimate,
-    }
-    if batch.status == BatchStatus.validating:
-        values.update(status=BatchStatus.in_progress, in_progress_at=now)
-    session.execute(update(Batch).where(Batch.id == batch_id).values(**values))
-    return str(values.get("status", batch.status))
+    session.execute(
+        update(Batch)
+        .where(Batch.id == batch_id)
+        .values(
+            model=result.model,
+            total=len(result.requests),
+            unindexed=len(result.requests) - first,
+            token_estimate=token_estimate,
+            status=BatchStatus.in_progress,
+            in_progress_at=now,
+        )
+    )
+    return BatchStatus.in_progress
 
 
 def write_index_parts(units: UnitOfWork, *, batch_id: str, requests: RequestIndex) -> int:
@@ -119,16 +129,24 @@ def write_index_parts(units: UnitOfWork, *, batch_id: str, requests: RequestInde
     transaction, each committed with the batch's `unindexed` count. Resumable and idempotent: a
     part starts where the count says (a validation killed midway is picked up by the next,
     which scans the file again and continues), so no row is written twice. Returns how many
-    rows are written in all (the batch's `total` once done)."""
+    rows are written in all (the batch's `total` once done).
+
+    Each part first looks at the batch: one cancelled gets no more parts (`end_cancelled_index`)."""
     while True:
         with units() as session:
-            # FOR NO KEY UPDATE: claims (FOR KEY SHARE) go on; an expiry (FOR UPDATE) waits.
+            # FOR NO KEY UPDATE: claims (FOR KEY SHARE) go on; an expiry (FOR UPDATE) and a
+            # cancel (FOR NO KEY UPDATE) wait, so neither lands between this look and the part.
             batch = session.execute(
-                select(Batch.total, Batch.unindexed).where(Batch.id == batch_id).with_for_update(key_share=True)
+                select(Batch.total, Batch.unindexed, Batch.status)
+                .where(Batch.id == batch_id)
+                .with_for_update(key_share=True)
             ).one_or_none()
             if batch is None:
                 return 0
             total, unindexed = int(batch.total), int(batch.unindexed)
+            if batch.status == BatchStatus.cancelling:
+                end_cancelled_index(session, batch_id=batch_id)
+                return total - unindexed
             if total != len(requests):  # not this index (or none to write)
                 log.error(
                     "batch %s: index of %d lines does not match its %d; not written", batch_id, len(requests), total
@@ -140,6 +158,19 @@ def write_index_parts(units: UnitOfWork, *, batch_id: str, requests: RequestInde
             end = min(start + INDEX_PART, total)
             write_index(session, batch_id=batch_id, requests=requests, ranks=range(start, end))
             session.execute(update(Batch).where(Batch.id == batch_id).values(unindexed=total - end))
+
+
+def end_cancelled_index(session: Session, *, batch_id: str) -> None:
+    """A batch cancelled while its index is written keeps the lines written so far (its `total`
+    becomes them) and gets no more: none of its lines will run again, and finalization, which
+    waits for the last line to be indexed, can then write those as cancelled. Nothing for a
+    batch not cancelling, or with its index all written."""
+    session.execute(
+        update(Batch)
+        .where(Batch.id == batch_id, Batch.status == BatchStatus.cancelling, Batch.unindexed > 0)
+        .values(total=Batch.total - Batch.unindexed, unindexed=0)
+        .execution_options(synchronize_session=False)
+    )
 
 
 def fail_batch_validation(session: Session, *, batch_id: str, message: str) -> str:
@@ -164,11 +195,9 @@ def fail_batch_validation(session: Session, *, batch_id: str, message: str) -> s
 def is_transient_validation_error(exc: BaseException) -> bool:
     """Whether retrying validation later may succeed: the fleet's model list, the database or
     the object store being unreachable for a while. Anything else fails the batch."""
-    if isinstance(exc, FleetUnavailable | OperationalError | PoolTimeout | ConnectionError | TimeoutError):
+    if isinstance(exc, FleetUnavailable | PoolTimeout | ConnectionError | TimeoutError):
         return True
-    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
-        return True
-    return is_transient_object_store_error(exc)
+    return is_transient_database_error(exc) or is_transient_object_store_error(exc)
 
 
 def validation_failure_message(exc: BaseException) -> str:

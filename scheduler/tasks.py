@@ -109,10 +109,15 @@ def validate_batch(batch_id: str) -> str:
         batch = session.get(Batch, batch_id)
         if batch is None:
             return "missing"
+        if batch.status == BatchStatus.cancelling:
+            # None of its lines will run: its file is not checked, and an index being written
+            # stops where it is (it ends `cancelled` once finalized).
+            validation.end_cancelled_index(session, batch_id=batch_id)
+            return batch.status
         # Validated already, but its index not all written (the validation that wrote its
         # first part stopped): scan again and write the rest.
         resume = batch.unindexed > 0 and batch.status not in TERMINAL_STATUSES
-        if not resume and (batch.status not in (BatchStatus.validating, BatchStatus.cancelling) or batch.total):
+        if not resume and (batch.status != BatchStatus.validating or batch.total):
             return batch.status
         key = file_key(batch.team_id, batch.input_file_id)
         endpoint = batch.endpoint

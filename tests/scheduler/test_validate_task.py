@@ -158,3 +158,46 @@ def test_a_validation_stopped_while_writing_its_index_is_resumed_by_the_next_nud
         assert sorted(lines) == list(range(1, 61))  # each line once
         assert batch_id not in sweeps.indexing_batches(s, started_before=utcnow() + timedelta(seconds=1))
     assert validate_batch(batch_id) == BatchStatus.in_progress  # nothing left to do
+
+
+def test_a_batch_cancelled_while_it_validates_ends_cancelled_and_its_index_stops(env: pytest.MonkeyPatch) -> None:
+    from backfill.jobs import batches, output, validation
+    from backfill.scheduler.tasks import validate_batch
+    from backfill.storage.db import unit_of_work
+    from backfill.storage.objects import get_object_store
+
+    def cancel(batch_id: str) -> None:
+        with unit_of_work() as s:
+            batches.cancel_batch(s, team_id=None, batch_id=batch_id)
+
+    # A file with errors, the batch cancelled while it is checked: not `failed`.
+    with_errors = _batch(_lines(3) + b"not json\n")
+    real_apply = validation.apply_validation
+
+    def cancelled_first(session: object, **kwargs: object) -> str:
+        cancel(with_errors)
+        return real_apply(session, **kwargs)  # type: ignore[arg-type]
+
+    env.setattr(validation, "apply_validation", cancelled_first)
+    assert validate_batch(with_errors) == BatchStatus.cancelling
+    env.setattr(validation, "apply_validation", real_apply)
+    assert _status(with_errors) == (BatchStatus.cancelling, None)
+    assert output.finalize_batch(unit_of_work, get_object_store(), batch_id=with_errors) == BatchStatus.cancelled
+
+    # A valid batch cancelled after its first index part: no part after it.
+    env.setattr(validation, "FIRST_INDEX_PART", 5)
+    env.setattr(validation, "INDEX_PART", 10)
+    running = _batch(_lines(60))
+    real_parts = validation.write_index_parts
+
+    def cancelled_after_first_part(units: object, **kwargs: object) -> int:
+        cancel(running)
+        return real_parts(units, **kwargs)  # type: ignore[arg-type]
+
+    env.setattr(validation, "write_index_parts", cancelled_after_first_part)
+    assert validate_batch(running) == BatchStatus.in_progress
+    with unit_of_work() as s:
+        b = s.get(Batch, running)
+        assert b is not None and (b.status, b.total, b.unindexed) == (BatchStatus.cancelling, 5, 0)
+        assert len(s.execute(select(BatchRequest.line).where(BatchRequest.batch_id == running)).all()) == 5
+    assert output.finalize_batch(unit_of_work, get_object_store(), batch_id=running) == BatchStatus.cancelled
