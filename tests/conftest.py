@@ -7,16 +7,23 @@ import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from alembic import command
 from sqlalchemy.orm import Session, sessionmaker
 
+from backfill.devfleet.fleet import Fleet
+from backfill.devfleet.processes import free_port
+from backfill.devfleet.s3 import SeaweedS3
+from backfill.devfleet.services import PG_ADMIN_URL, RedisServer, create_database, database_url, drop_database
+from backfill.devfleet.stack import BUCKET, Stack, launch_stack
 from backfill.migrate import alembic_config
 from backfill.storage.db import make_engine
-from tests.stack import RedisServer, Stack, create_database, drop_database, service_env
 
-PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+if TYPE_CHECKING:
+    import openai
+
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379")
 ROOT = Path(__file__).resolve().parent.parent
 # The tests pin admission to the fixed bound (BACKFILL_MAX_INFLIGHT) unless they test the
@@ -24,12 +31,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # by the mocker's load and make counts and limits depend on timing.
 # (tests/scheduler/test_capacity_auto.py covers the default.)
 os.environ.setdefault("BACKFILL_CAPACITY_CONTROL", "off")
-
-
-def _free_port() -> int:
-    from backfill.devfleet.processes import free_port
-
-    return free_port()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -78,7 +79,7 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[sessionmaker[
         name = f"backfill_jobs_{secrets.token_hex(4)}"
         with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
             conn.execute(f'CREATE DATABASE "{name}"')
-        url = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://") + f"/{name}"
+        url = database_url(PG_ADMIN_URL, name)
     engine = make_engine(url)
     try:
         with engine.begin() as conn:
@@ -99,7 +100,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     if os.environ.get("TEST_REDIS_URL") or not RedisServer.available():
         yield None
         return
-    server = RedisServer(port=_free_port(), workdir=tmp_path_factory.mktemp("redis"))
+    server = RedisServer(port=free_port(), workdir=tmp_path_factory.mktemp("redis"))
     server.start()
     try:
         yield server
@@ -120,37 +121,23 @@ def redis_url(redis_server: RedisServer | None) -> str:
 
 
 @pytest.fixture(scope="session")
-def s3() -> Iterator[object]:
-    from backfill.devfleet.s3 import SeaweedS3
-
+def s3() -> Iterator[SeaweedS3]:
     with SeaweedS3() as server:
-        server.create_bucket("backfill-test")
+        server.create_bucket(BUCKET)
         yield server
 
 
 @pytest.fixture(scope="session")
-def fleet() -> Iterator[object]:
-    from backfill.devfleet.fleet import Fleet
-
+def fleet() -> Iterator[Fleet]:
     with Fleet(num_workers=2, speedup_ratio=5.0, model_name="tiny-chat") as f:
         yield f
 
 
 @pytest.fixture(scope="session")
 def stack(
-    pg_url: str, redis_url: str, s3: object, fleet: object, tmp_path_factory: pytest.TempPathFactory
+    pg_url: str, redis_url: str, s3: SeaweedS3, fleet: Fleet, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
-    logdir = tmp_path_factory.mktemp("stack-logs")
-    env = {
-        **service_env(
-            home=tmp_path_factory.mktemp("backfill-home"),
-            pg_url=pg_url,
-            redis_url=redis_url,
-            s3=s3,
-            fleet_url=fleet.base_url,  # type: ignore[attr-defined]
-        ),
-        "BACKFILL_BOOTSTRAP_API_KEY": "sk-test-" + secrets.token_hex(16),
-        "BACKFILL_ADMIN_API_KEY": "sk-admin-" + secrets.token_hex(16),
+    settings = {
         "BACKFILL_COMPLETION_WINDOWS": "1h,8s",
         "BACKFILL_MAX_FILE_BYTES": str(8 * 1024 * 1024),
         "BACKFILL_MAX_REQUESTS_PER_BATCH": "3000",
@@ -159,21 +146,20 @@ def stack(
         "BACKFILL_DRAIN_SLICE_S": "10",
         "BACKFILL_TICK_INTERVAL_S": "0.5",
         "BACKFILL_FLEET_MAX_RETRIES": "4",
-        # Tests poll fast with one key; the rate limit has tests of its own (tests/api).
-        "BACKFILL_RATE_LIMIT": "off",
     }
-    s = Stack(env=env, logdir=logdir, api_port=_free_port())
-    for name in ("api", "worker", "scheduler"):
-        s.start(name)
-    try:
-        s.wait_healthy()
+    with launch_stack(
+        tmp_path_factory.mktemp("stack"),
+        settings=settings,
+        s3=s3,
+        fleet_url=fleet.base_url,
+        database_url=pg_url,
+        redis_url=redis_url,
+    ) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture
-def client(stack: Stack):  # type: ignore[no-untyped-def]
+def client(stack: Stack) -> openai.OpenAI:
     import openai
 
     return openai.OpenAI(base_url=stack.base_url, api_key=stack.key, max_retries=0, timeout=60)

@@ -3,6 +3,7 @@ from __future__ import annotations
 import io
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 MODEL = "tiny-chat"
@@ -30,15 +31,32 @@ def upload(client: Any, data: bytes, name: str = "batch.jsonl") -> Any:
     return client.files.create(file=(name, io.BytesIO(data)), purpose="batch")
 
 
+def wait_until(
+    what: str | Callable[[], str], cond: Callable[[], bool], timeout_s: float, every_s: float = 0.2
+) -> float:
+    """Poll `cond` every `every_s` until it holds; the seconds it took. After `timeout_s` the
+    test fails, saying `what` (or what `what()` says then) did not happen."""
+    started = time.monotonic()
+    while not cond():
+        if time.monotonic() - started >= timeout_s:
+            raise AssertionError(f"{what() if callable(what) else what}: not within {timeout_s:.0f} s")
+        time.sleep(every_s)
+    return time.monotonic() - started
+
+
 def wait_for(client: Any, batch_id: str, statuses: set[str], timeout_s: float = 180.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    batch = client.batches.retrieve(batch_id)
-    while batch.status not in statuses:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"batch {batch_id} stuck in {batch.status}: {batch.request_counts}")
-        time.sleep(0.3)
-        batch = client.batches.retrieve(batch_id)
-    return batch
+    """The batch once its status is one of `statuses`."""
+    latest: dict[str, Any] = {}
+
+    def reached() -> bool:
+        latest["batch"] = client.batches.retrieve(batch_id)
+        return latest["batch"].status in statuses
+
+    def stuck() -> str:
+        return f"batch {batch_id} stuck in {latest['batch'].status}: {latest['batch'].request_counts}"
+
+    wait_until(stuck, reached, timeout_s, every_s=0.3)
+    return latest["batch"]
 
 
 def read_lines(client: Any, file_id: str | None) -> list[dict[str, Any]]:

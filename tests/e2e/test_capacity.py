@@ -21,12 +21,12 @@ import httpx
 import orjson
 import pytest
 
+from backfill.devfleet.services import create_database, drop_database
 from backfill.scheduler.admission import LIMIT_KEY, POOL, Admission
 from backfill.scheduler.capacity import CapacityLoop, ControlConfig, Controller, Decision, Slo
 from backfill.scheduler.leases import RedisLeaseStore
 from backfill.scheduler.telemetry import Endpoint, FleetTelemetry
 from tests.conftest import PG_ADMIN_URL, ROOT
-from tests.stack import create_database, drop_database
 
 pytestmark = pytest.mark.e2e
 

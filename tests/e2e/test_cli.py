@@ -17,8 +17,8 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from backfill.batch_cli import batch_app
+from backfill.devfleet.stack import Stack
 from tests.e2e.helpers import MODEL, chat_line, jsonl, read_lines
-from tests.stack import Stack
 
 pytestmark = pytest.mark.e2e
 

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import time
 
+import openai
 import pytest
 
+from backfill.devfleet.stack import Stack
 from tests.e2e.helpers import chat_line, jsonl, read_lines, upload, wait_for
 
 pytestmark = pytest.mark.e2e
 
 
-def test_sigkill_worker_mid_batch(client, stack) -> None:
+def test_sigkill_worker_mid_batch(client: openai.OpenAI, stack: Stack) -> None:
     lines = [chat_line(i, max_tokens=60) for i in range(1200)]
     f = upload(client, jsonl(lines))
     b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
+from backfill.devfleet.stack import Stack
 from tests.e2e.helpers import MODEL, chat_line, jsonl, upload, wait_for
-from tests.stack import Stack
 
 pytestmark = pytest.mark.e2e
 

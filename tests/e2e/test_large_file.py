@@ -6,51 +6,40 @@ ranges is reported at its later line."""
 from __future__ import annotations
 
 import json
-import secrets
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import openai
 import pytest
 
-from backfill.devfleet.processes import free_port
-from tests.conftest import PG_ADMIN_URL
-from tests.e2e.helpers import MODEL
-from tests.stack import Stack, create_database, drop_database, service_env
+from backfill.devfleet.fleet import Fleet
+from backfill.devfleet.s3 import SeaweedS3
+from backfill.devfleet.stack import Stack, launch_stack
+from tests.e2e.helpers import MODEL, wait_for
 
 LINES = 180_000  # ~36 MB: past the 32 MB at which validation spreads over processes
+# Every status a batch can take once validation is over, one way or the other.
+VALIDATED = {"failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"}
 
 
 @pytest.fixture(scope="module")
-def big_stack(redis_url: str, s3: Any, fleet: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    name = f"backfill_large_{secrets.token_hex(4)}"
-    db = create_database(PG_ADMIN_URL, name)
-    env = {
-        **service_env(
-            home=tmp_path_factory.mktemp("large-home"),
-            pg_url=db,
-            redis_url=redis_url.rsplit("/", 1)[0] + "/7",  # a broker of its own: not the session stack's
-            s3=s3,
-            fleet_url=fleet.base_url,
-        ),
-        "BACKFILL_BOOTSTRAP_API_KEY": "sk-test-" + secrets.token_hex(16),
-        "BACKFILL_RATE_LIMIT": "off",
+def big_stack(redis_url: str, s3: SeaweedS3, fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    settings = {
         "BACKFILL_MAX_FILE_BYTES": str(64 * 1024 * 1024),
         "BACKFILL_MAX_REQUESTS_PER_BATCH": str(2 * LINES),
         "BACKFILL_VALIDATION_PROCESSES": "2",
         "BACKFILL_MAX_INFLIGHT": "4",
     }
-    s = Stack(env=env, logdir=tmp_path_factory.mktemp("large-logs"), api_port=free_port())
-    for proc in ("api", "worker"):
-        s.start(proc)
-    try:
-        s.wait_healthy()
+    with launch_stack(
+        tmp_path_factory.mktemp("large"),
+        settings=settings,
+        processes=("api", "worker"),
+        s3=s3,
+        fleet_url=fleet.base_url,
+        name="large",
+        redis_url=redis_url.rsplit("/", 1)[0] + "/7",  # a broker of its own: not the session stack's
+    ) as s:
         yield s
-    finally:
-        s.stop()
-        drop_database(PG_ADMIN_URL, name)
 
 
 def _file(path: Path, repeat_at: int | None = None) -> Path:
@@ -67,23 +56,13 @@ def _file(path: Path, repeat_at: int | None = None) -> Path:
     return path
 
 
-def _settled(client: openai.OpenAI, batch_id: str) -> Any:
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        batch = client.batches.retrieve(batch_id)
-        if batch.status not in ("validating",):
-            return batch
-        time.sleep(0.5)
-    raise AssertionError("still validating after 180 s")
-
-
 def test_a_large_file_is_validated_on_several_processes(big_stack: Stack, tmp_path: Path) -> None:
     client = openai.OpenAI(base_url=big_stack.base_url, api_key=big_stack.key, max_retries=0, timeout=120)
     with _file(tmp_path / "big.jsonl").open("rb") as f:
         uploaded = client.files.create(file=f, purpose="batch")
     assert uploaded.bytes > 32 * 1024 * 1024
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
-    batch = _settled(client, batch.id)
+    batch = wait_for(client, batch.id, VALIDATED)
     assert batch.status == "in_progress", batch.errors
     assert batch.request_counts is not None and batch.request_counts.total == LINES
     log = (big_stack.logdir / "worker.log").read_text()
@@ -94,7 +73,7 @@ def test_a_large_file_is_validated_on_several_processes(big_stack: Stack, tmp_pa
     with _file(tmp_path / "dup.jsonl", repeat_at=150_000).open("rb") as f:
         uploaded = client.files.create(file=f, purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
-    batch = _settled(client, batch.id)
+    batch = wait_for(client, batch.id, VALIDATED)
     assert batch.status == "failed"
     assert batch.errors is not None and batch.errors.data is not None
     assert [(e.code, e.line) for e in batch.errors.data] == [("duplicate_custom_id", 150_001)]

@@ -16,8 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from backfill.devfleet.stack import Stack
 from tests.e2e.helpers import MODEL, chat_line, jsonl, read_lines, upload, wait_for
-from tests.stack import Stack
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]

@@ -25,8 +25,8 @@ import openai
 import pytest
 
 from backfill.devfleet.processes import free_port
+from backfill.devfleet.stack import Stack
 from tests.e2e.helpers import MODEL, chat_line, jsonl, upload, wait_for
-from tests.stack import Stack
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]

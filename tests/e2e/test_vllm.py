@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -30,14 +29,15 @@ import openai
 import pytest
 
 from backfill.devfleet.processes import free_port
+from backfill.devfleet.s3 import SeaweedS3
+from backfill.devfleet.services import private_redis
+from backfill.devfleet.stack import Stack, launch_stack
 from backfill.devfleet.vllm import MODEL_NAME, VllmServer, build_vllm_model, ensure_vllm_venv
-from tests.conftest import PG_ADMIN_URL
 from tests.contract.test_result_fidelity import (
     assert_error_line,
     assert_output_file_valid,
 )
 from tests.e2e.helpers import jsonl, read_lines, upload, wait_for
-from tests.stack import RedisServer, Stack, create_database, drop_database, service_env
 
 EMBED_MODEL = f"{MODEL_NAME}-embed"
 PRIORITY = ["--scheduling-policy", "priority"]
@@ -191,51 +191,33 @@ def router(engines: tuple[VllmServer, VllmServer]) -> Iterator[EngineRouter]:
 
 @pytest.fixture(scope="module")
 def own_redis(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[str]:
-    """A Redis of its own (broker, leases, breakers of this module's stack only)."""
-    if not RedisServer.available():
-        import redis
-
-        url = redis_url.rsplit("/", 1)[0] + "/5"  # another database on the shared server
-        redis.Redis.from_url(url).flushdb()
+    """A Redis of its own (broker, leases, breakers of this module's stack only); without the
+    redis-server binary, another database on the shared server."""
+    with private_redis(tmp_path_factory.mktemp("redis-vllm"), shared_url=redis_url.rsplit("/", 1)[0] + "/5") as url:
         yield url
-        return
-    server = RedisServer(port=free_port(), workdir=tmp_path_factory.mktemp("redis-vllm"))
-    server.start()
-    try:
-        yield server.url + "/0"
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
 def vllm_stack(
-    router: EngineRouter, own_redis: str, s3: object, tmp_path_factory: pytest.TempPathFactory
+    router: EngineRouter, own_redis: str, s3: SeaweedS3, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
     """backfill's API, worker and scheduler on a database and Redis of their own."""
-    name = f"backfill_vllm_{secrets.token_hex(4)}"
-    pg = create_database(PG_ADMIN_URL, name)
-    env = {
-        **service_env(
-            home=tmp_path_factory.mktemp("vllm-home"), pg_url=pg, redis_url=own_redis, s3=s3, fleet_url=router.base_url
-        ),
-        "BACKFILL_BOOTSTRAP_API_KEY": "sk-test-" + secrets.token_hex(16),
-        "BACKFILL_ADMIN_API_KEY": "sk-admin-" + secrets.token_hex(16),
+    settings = {
         "BACKFILL_FLEET_PRIORITY_HINT": "vllm",
         # vLLM's Prometheus names are not the Dynamo frontend's: a fixed bound here.
         "BACKFILL_CAPACITY_CONTROL": "false",
         "BACKFILL_MAX_INFLIGHT": "16",
         "BACKFILL_TICK_INTERVAL_S": "0.5",
-        "BACKFILL_RATE_LIMIT": "off",
     }
-    s = Stack(env=env, logdir=tmp_path_factory.mktemp("vllm-stack-logs"), api_port=free_port())
-    for proc in ("api", "worker", "scheduler"):
-        s.start(proc)
-    try:
-        s.wait_healthy()
+    with launch_stack(
+        tmp_path_factory.mktemp("vllm-stack"),
+        settings=settings,
+        s3=s3,
+        fleet_url=router.base_url,
+        name="vllm",
+        redis_url=own_redis,
+    ) as s:
         yield s
-    finally:
-        s.stop()
-        drop_database(PG_ADMIN_URL, name)
 
 
 @pytest.fixture(scope="module")
