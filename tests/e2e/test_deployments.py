@@ -14,7 +14,7 @@ import contextlib
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,11 +25,13 @@ import redis
 from backfill.devfleet.faultproxy import Fault, FaultProxy
 from backfill.devfleet.fleet import Fleet
 from backfill.devfleet.processes import free_port
+from backfill.devfleet.s3 import SeaweedS3
+from backfill.devfleet.services import private_redis
+from backfill.devfleet.stack import Stack, launch_stack
 from backfill.scheduler.breaker import BreakerPolicy, BreakerState
 from backfill.scheduler.fleet import FleetClient
-from tests.conftest import PG_ADMIN_URL
-from tests.e2e.helpers import MODEL, chat_line, jsonl, read_lines, upload, wait_for
-from tests.stack import RedisServer, Stack, create_database, drop_database, service_env
+from tests.e2e.fault_probes import FleetInflight
+from tests.e2e.helpers import MODEL, chat_line, jsonl, read_lines, upload, wait_for, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -59,47 +61,23 @@ def proxy_a(fleet_a: Fleet) -> Iterator[FaultProxy]:
 
 @pytest.fixture(scope="module")
 def own_redis(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[str]:
-    """A Redis of its own: broker, leases and breakers of this module's stack only."""
-    if not RedisServer.available():
-        url = redis_url.rsplit("/", 1)[0] + "/10"  # another database on the shared server
-        redis.Redis.from_url(url).flushdb()
+    """A Redis of its own: broker, leases and breakers of this module's stack only (without the
+    redis-server binary, another database on the shared server)."""
+    shared = redis_url.rsplit("/", 1)[0] + "/10"
+    with private_redis(tmp_path_factory.mktemp("redis-deployments"), shared_url=shared) as url:
         yield url
-        return
-    server = RedisServer(port=free_port(), workdir=tmp_path_factory.mktemp("redis-deployments"))
-    server.start()
-    try:
-        yield server.url + "/0"
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def own_db() -> Iterator[str]:
-    name = f"backfill_deployments_{secrets.token_hex(4)}"
-    yield create_database(PG_ADMIN_URL, name)
-    drop_database(PG_ADMIN_URL, name)
 
 
 @pytest.fixture(scope="module")
 def stack2(
-    own_db: str,
     own_redis: str,
-    s3: object,
+    s3: SeaweedS3,
     proxy_a: FaultProxy,
     fleet_b: Fleet,
     tmp_path_factory: pytest.TempPathFactory,
     request: pytest.FixtureRequest,
 ) -> Iterator[Stack]:
-    env = {
-        **service_env(
-            home=tmp_path_factory.mktemp("deployments-home"),
-            pg_url=own_db,
-            redis_url=own_redis,
-            s3=s3,
-            fleet_url=f"{proxy_a.base_url},{fleet_b.base_url}",
-        ),
-        "BACKFILL_BOOTSTRAP_API_KEY": "sk-test-" + secrets.token_hex(16),
-        "BACKFILL_ADMIN_API_KEY": "sk-admin-" + secrets.token_hex(16),
+    settings = {
         "BACKFILL_MAX_REQUESTS_PER_BATCH": "3000",
         "BACKFILL_MAX_INFLIGHT": "32",
         "BACKFILL_LEASE_TTL_S": "4",
@@ -107,17 +85,22 @@ def stack2(
         "BACKFILL_TICK_INTERVAL_S": "0.5",
         "BACKFILL_FLEET_MAX_RETRIES": str(MAX_ATTEMPTS),
         "BACKFILL_FLEET_TIMEOUT_S": str(FLEET_TIMEOUT_S),
-        "BACKFILL_RATE_LIMIT": "off",
     }
-    s = Stack(env=env, logdir=tmp_path_factory.mktemp("deployments-logs"), api_port=free_port())
-    for name in ("api", "worker", "scheduler"):
-        s.start(name)
-    try:
-        s.wait_healthy()
+    with launch_stack(
+        tmp_path_factory.mktemp("deployments"),
+        settings=settings,
+        s3=s3,
+        fleet_url=f"{proxy_a.base_url},{fleet_b.base_url}",
+        name="deployments",
+        redis_url=own_redis,
+    ) as s:
         yield s
-    finally:
-        s.stop()
-        _print_fault_table(request)
+    _print_fault_table(request)
+
+
+@pytest.fixture(scope="module")
+def own_db(stack2: Stack) -> str:
+    return stack2.database_url
 
 
 @pytest.fixture
@@ -130,15 +113,6 @@ def client2(stack2: Stack) -> Any:
 def breaker_state(redis_url: str, deployment: str) -> str:
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     return str(r.hget(f"backfill:breaker:{deployment}", "state") or BreakerState.closed)
-
-
-def wait_until(what: str, cond: Callable[[], bool], timeout_s: float, every_s: float = 0.1) -> float:
-    """Poll `cond`; the seconds it took."""
-    started = time.monotonic()
-    while not cond():
-        assert time.monotonic() - started < timeout_s, f"{what}: not within {timeout_s} s"
-        time.sleep(every_s)
-    return time.monotonic() - started
 
 
 def restart_frontend(fleet: Fleet) -> None:
@@ -386,8 +360,6 @@ def test_each_deployment_holds_its_own_limit(
 ) -> None:
     """Leases are per deployment: both take lines, and neither fleet's own in-flight gauge passes
     its limit (BACKFILL_MAX_INFLIGHT, per deployment) by more than one lease."""
-    from tests.e2e.conftest import FleetInflight
-
     limit = int(stack2.env["BACKFILL_MAX_INFLIGHT"])
     r = redis.Redis.from_url(own_redis, decode_responses=True)
     pools = {"A": "backfill:lease:fleet", "B": "backfill:lease:fleet:1"}
