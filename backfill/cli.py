@@ -71,20 +71,31 @@ def worker(
     import backfill.scheduler.tasks  # noqa: F401  (registers the task bodies on the broker's app)
     from backfill.storage.broker import QueueName, celery_app
     from backfill.storage.settings import get_settings
+    from backfill.worker_watchdog import install, kill_children, leave
 
     _logging()  # backfill's own loggers (validation, finalization, drains): Celery leaves the root logger alone
-    n = concurrency or get_settings().drains + 2
+    s = get_settings()
+    n = concurrency or s.drains + 2
     queues = ",".join(q.value for q in QueueName)
-    celery_app.worker_main(
-        [
-            "worker",
-            "--loglevel=INFO",
-            f"--concurrency={n}",
-            f"--queues={queues}",
-            "--without-gossip",
-            "--without-mingle",
-        ]
-    )
+    install(s.drain_grace_s)  # told to stop, it is gone within the grace (plus a margin)
+    code = 1
+    try:
+        celery_app.worker_main(
+            [
+                "worker",
+                "--loglevel=INFO",
+                f"--concurrency={n}",
+                f"--queues={queues}",
+                "--without-gossip",
+                "--without-mingle",
+            ]
+        )
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        kill_children()  # a pool child left behind has nothing more to do
+        leave(code)  # no interpreter finalizers: billiard's can deadlock on a dead pool
 
 
 @app.command()

@@ -6,6 +6,13 @@ Everything it keeps is under BACKFILL_HOME, nothing in the working directory: th
 database, objects, broker folders, the generated key, the metrics files (emptied at each start:
 the processes that wrote them are gone), the components' logs (`logs/api.log`, ...; the terminal
 gets none of their lines, so nothing floods it) and the simulated fleet's run directory.
+
+Stopping: Ctrl-C (or SIGTERM) stops the components, each in a process group of its own (so the
+terminal's Ctrl-C reaches `up` alone, and a group signal reaches a worker's pool): SIGTERM, the
+worker's drains get their grace, then SIGKILL of whatever group is left. Signals that arrive
+meanwhile never cut the stop short: the second says what it waits for, the third SIGKILLs every
+component at once. A component whose `up` was SIGKILLed gets SIGTERM from the kernel (parent
+death signal); until it is gone its pid file (`run/`) keeps a new `up` off the same home.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -27,6 +34,7 @@ import typer
 
 COMPONENTS = ("worker", "scheduler", "api")
 STOP_GRACE_S = 30.0  # longer than a drain's shutdown grace (BACKFILL_DRAIN_GRACE_S, 20 s)
+DEFAULT_MAX_TOKENS = 256  # the simulated model's default length limit (devfleet.length_front)
 POLL_S = 1.0
 LOG_TAIL_LINES = 25
 
@@ -65,16 +73,71 @@ def _start_fleet(home: Path, *, workers: int, speedup: float) -> Any:
         raise typer.Exit(1)
     shutil.rmtree(run_dir, ignore_errors=True)  # no stale discovery entries from a previous run
     fleet = Fleet(
-        model_name="tiny-chat", num_workers=workers, speedup_ratio=speedup, run_dir=run_dir, die_with_parent=True
+        model_name="tiny-chat",
+        num_workers=workers,
+        speedup_ratio=speedup,
+        run_dir=run_dir,
+        die_with_parent=True,
+        default_max_tokens=DEFAULT_MAX_TOKENS,  # a request without max_tokens gets it, as on a real engine
     )
     fleet.start()
     return fleet
 
 
+class Stopping:
+    """The signal handler of `up`: the first SIGINT/SIGTERM starts the stop (KeyboardInterrupt);
+    once stopping, none raises again, so no stop is left half done: the second says what it
+    waits for, the third SIGKILLs every component (`kill_all`)."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.signals = 0
+        self.kill_all: Callable[[], None] = lambda: None
+
+    def __call__(self, *_: object) -> None:
+        self.signals += 1
+        if not self.active:
+            self.active = True
+            raise KeyboardInterrupt
+        if self.signals == 2:
+            _say(f"still stopping (the worker's drains have up to {STOP_GRACE_S:.0f} s); once more kills everything")
+        else:
+            _say("killing every component (SIGKILL)")
+            self.kill_all()
+
+
+def _say(line: str) -> None:
+    """A line from a signal handler: os.write, since the main thread may be inside a print."""
+    try:
+        os.write(sys.stdout.fileno(), (line + "\n").encode())
+    except (OSError, ValueError):
+        pass
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when `up` dies, even by SIGKILL (Linux)."""
+    from backfill.devfleet.processes import _LIBC
+
+    if _LIBC is not None:
+        _LIBC.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+
+
+def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)  # pgid == pid: each component leads a session of its own
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 @contextmanager
-def _components(env: dict[str, str], logs: Path, port: int) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+def _components(
+    env: dict[str, str], logs: Path, port: int, stopping: Stopping
+) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    from backfill.up_lock import forget, record
+
     exe = [sys.executable, "-m", "backfill"]
     args = {"worker": ["worker"], "scheduler": ["scheduler"], "api": ["api", "--port", str(port)]}
+    run_dir = Path(env["BACKFILL_HOME"]) / "run"
     files: list[IO[bytes]] = []
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
@@ -85,18 +148,44 @@ def _components(env: dict[str, str], logs: Path, port: int) -> Iterator[dict[str
             raise typer.Exit(1)
         for name in COMPONENTS:
             files.append((logs / f"{name}.log").open("wb"))
-            procs[name] = subprocess.Popen([*exe, *args[name]], env=env, stdout=files[-1], stderr=subprocess.STDOUT)
+            # A signal waits until the process is started and on record: none is lost track of.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+            try:
+                procs[name] = subprocess.Popen(
+                    [*exe, *args[name]],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=files[-1],
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                )
+                record(run_dir, name, procs[name].pid)
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        fleet_kill = stopping.kill_all
+
+        def kill_all() -> None:
+            for p in procs.values():
+                _signal_group(p, signal.SIGKILL)
+            fleet_kill()
+
+        stopping.kill_all = kill_all
         yield procs
     finally:
+        stopping.active = True  # from here on a signal never interrupts the stop
         for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+            _signal_group(p, signal.SIGTERM)  # the group: a worker's pool hears it too
+        deadline = time.monotonic() + STOP_GRACE_S
         for p in procs.values():
             try:
-                p.wait(timeout=STOP_GRACE_S)
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+                pass
+        for name, p in procs.items():
+            _signal_group(p, signal.SIGKILL)  # what is left of a group, its leader gone or not
+            p.wait()
+            forget(run_dir, name)
         for f in files:
             f.close()
 
@@ -178,13 +267,22 @@ def _watch(procs: dict[str, subprocess.Popen[bytes]], logs: Path) -> None:
 def run_up(*, port: int, fleet_workers: int, speedup: float) -> None:
     from backfill.storage.metrics import clear_metrics_dir, metrics_dir
     from backfill.storage.settings import get_settings
+    from backfill.up_lock import forget, holders, record
 
-    def _interrupt(*_: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _interrupt)  # a plain `kill` stops the fleet too
+    stopping = Stopping()
+    signal.signal(signal.SIGINT, stopping)
+    signal.signal(signal.SIGTERM, stopping)  # a plain `kill` stops everything too
     s = get_settings()
     home = s.home
+    run_dir = home / "run"
+    if held := holders(run_dir):
+        names = ", ".join(f"{h.name} (PID {h.pid})" for h in held)
+        typer.secho(
+            f"BACKFILL_HOME={home} is still held by an earlier `backfill up`: {names}; stop it (kill {held[0].pid}) first",
+            fg=typer.colors.RED,
+        )
+        raise typer.Exit(1)
+    record(run_dir, "up", os.getpid())
     logs = home / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
@@ -199,6 +297,7 @@ def run_up(*, port: int, fleet_workers: int, speedup: float) -> None:
         if not s.fleet_url_list:
             typer.echo("starting the simulated fleet (Dynamo frontend + mocker); the first run installs it…")
             fleet = _start_fleet(home, workers=fleet_workers, speedup=speedup)
+            stopping.kill_all = fleet.kill_now
             env["BACKFILL_FLEET_URLS"] = fleet.base_url
             fleet_line = f"{fleet.base_url}   (simulated: Dynamo frontend + {fleet_workers} mocker workers)"
             # The simulated fleet's own telemetry, so the capacity controller (on by default, `auto`)
@@ -216,7 +315,7 @@ def run_up(*, port: int, fleet_workers: int, speedup: float) -> None:
             env["BACKFILL_BOOTSTRAP_API_KEY"] = bootstrap_key(home)
         key = env.get("BACKFILL_BOOTSTRAP_API_KEY", "")
         origin = f"http://127.0.0.1:{port}"
-        with _components(env, logs, port) as procs:
+        with _components(env, logs, port, stopping) as procs:
             try:
                 _wait_ready(origin, procs, logs)
                 _banner(base=f"{origin}/v1", origin=origin, key=key, fleet=fleet_line, home=home, logs=logs)
@@ -226,5 +325,7 @@ def run_up(*, port: int, fleet_workers: int, speedup: float) -> None:
     except KeyboardInterrupt:
         typer.echo("stopping…")
     finally:
+        stopping.active = True
         if fleet is not None:
             fleet.stop()
+        forget(run_dir, "up")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import shutil
+import signal
 import tempfile
 import time
 import weakref
@@ -20,6 +21,7 @@ from typing import NamedTuple
 
 from . import dynamo_launch, install, model
 from .dynamo_launch import DEFAULT_LOG_LEVEL
+from .length_front import LengthFront
 from .processes import LOOPBACK, SYSTEM_PORT_RANGE, ManagedProcess, free_port, http_get, stop_processes
 from .reaper import forget_fleet_pids, reap_stale_fleets, record_fleet_pids
 
@@ -102,7 +104,11 @@ class Fleet:
         ignore_unsupported_fields: bool = False,
         log_level: str = DEFAULT_LOG_LEVEL,
         startup_timeout: float = 120.0,
+        default_max_tokens: int | None = None,
     ):
+        """`default_max_tokens`: a request without a length limit gets this one (bounded by the
+        context the prompt leaves), as a real engine gives its default; the mocker would answer
+        400 (see `length_front`). Requests then go through that front on `http_port`."""
         if num_workers < 1:
             raise ValueError("num_workers must be >= 1")
         if disaggregated and num_prefill_workers < 1:
@@ -133,6 +139,9 @@ class Fleet:
         self.ignore_unsupported_fields = ignore_unsupported_fields
         self.log_level = log_level
         self.startup_timeout = startup_timeout
+        self.default_max_tokens = default_max_tokens
+        self._front: LengthFront | None = None
+        self._engine_port: int | None = None  # the Dynamo frontend's own port
 
         self.run_dir: Path | None = None
         self.frontend: ManagedProcess | None = None
@@ -152,7 +161,7 @@ class Fleet:
 
     @property
     def frontend_metrics_url(self) -> str:
-        return f"{self.origin}/metrics"
+        return f"http://{LOOPBACK}:{self._engine_port or self.http_port}/metrics"
 
     @property
     def worker_metrics_urls(self) -> list[WorkerMetrics]:
@@ -190,6 +199,11 @@ class Fleet:
             self.run_dir = Path(tempfile.mkdtemp(prefix="fleet-", dir=root))
         if self.http_port is None:
             self.http_port = free_port()
+        if self.default_max_tokens is not None:
+            self._engine_port = free_port()
+            self._front = LengthFront(
+                f"http://{LOOPBACK}:{self._engine_port}", port=self.http_port, default=self.default_max_tokens
+            )
 
         base_env = self._base_env()
         self.frontend = ManagedProcess(
@@ -221,6 +235,8 @@ class Fleet:
         self._started = True
         _live_fleets.add(self)
         try:
+            if self._front is not None:
+                self._front.start()
             # Workers first: the frontend then finds them on its first discovery scan.
             for w in self.workers:
                 w.proc.start()
@@ -238,12 +254,20 @@ class Fleet:
         if not self._started:
             return
         stop_processes(self._procs())
+        if self._front is not None:
+            self._front.stop()
+            self._front = None
         if self.run_dir:
             forget_fleet_pids(self.run_dir)
         self._started = False
         _live_fleets.discard(self)
         if self.run_dir and not self.keep_run_dir and not self._run_dir_given:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def kill_now(self) -> None:
+        """SIGKILL every process group at once, without waiting (an owner's last resort)."""
+        for p in self._procs():
+            p.signal_group(signal.SIGKILL)
 
     def kill_worker(self, i: int) -> None:
         """SIGKILL worker i (fault injection). Its discovery entry goes stale for ~10 s."""
@@ -292,8 +316,8 @@ class Fleet:
         assert self.python is not None and self.http_port is not None
         return dynamo_launch.frontend_cmd(
             python=self.python,
-            http_host=self.http_host,
-            http_port=self.http_port,
+            http_host=self.http_host if self._front is None else LOOPBACK,
+            http_port=self._engine_port or self.http_port,
             router_mode=self.router_mode,
             router_queue_threshold=self.router_queue_threshold,
             migration_limit=self.migration_limit,
