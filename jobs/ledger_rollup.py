@@ -15,7 +15,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import BigInteger, delete, func, insert, literal_column, select, update
+from sqlalchemy import BigInteger, ColumnElement, delete, func, insert, literal_column, select, update
 from sqlalchemy.orm import Session
 
 from backfill.jobs.billing_models import UsageLedgerEntry
@@ -25,12 +25,13 @@ from backfill.jobs.usage import EPOCH, epoch_seconds
 ROLLUP_S = 60
 
 
-def roll_up_ledgers(session: Session, *, now: datetime, limit: int) -> int:
-    """Roll up the ledgers of up to `limit` terminal batches not rolled up yet; returns how many."""
+def roll_up_ledgers(session: Session, *, now: datetime, ended: ColumnElement[bool], limit: int) -> int:
+    """Roll up the ledgers of up to `limit` terminal batches matching `ended` not rolled up yet;
+    returns how many."""
     batch_ids = list(
         session.execute(
             select(Batch.id)
-            .where(Batch.status.in_([s.value for s in TERMINAL_STATUSES]), Batch.ledger_rolled_up_at.is_(None))
+            .where(Batch.status.in_([s.value for s in TERMINAL_STATUSES]), Batch.ledger_rolled_up_at.is_(None), ended)
             .limit(limit)
         ).scalars()
     )

@@ -8,7 +8,7 @@ Run by the scheduler loop every `retention_interval_s`; each step is idempotent 
   written) are collected after a grace period long enough for a live one to finish.
 - A batch's line rows (its request index, with the fleet's response bodies) leave the database
   once its result files are written and a grace period has passed (a finalization redelivered
-  inside it still reads them); its ledger is rolled up as soon as it ends (`jobs.ledger_rollup`).
+  inside it still reads them); its ledger is rolled up at the same time (`jobs.ledger_rollup`).
   A finished batch then leaves a few rows, however many lines it had.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import and_, delete, exists, or_, select, update
+from sqlalchemy import ColumnElement, and_, delete, exists, or_, select, update
 from sqlalchemy.orm import Session
 
 from backfill.jobs.ledger_rollup import roll_up_ledgers
@@ -84,16 +84,19 @@ def collect_orphans(session: Session, store: ObjectStore, *, now: datetime, grac
     return removed
 
 
-def purge_result_bodies(session: Session, *, now: datetime, grace_s: float, limit: int) -> int:
-    """Delete the line rows of batches whose result files were written long enough ago."""
-    if grace_s < 0:
-        return 0
-    cutoff = now - timedelta(seconds=grace_s)
-    ended = or_(
+def ended_before(cutoff: datetime) -> ColumnElement[bool]:
+    return or_(
         and_(Batch.completed_at.is_not(None), Batch.completed_at <= cutoff),
         and_(Batch.expired_at.is_not(None), Batch.expired_at <= cutoff),
         and_(Batch.cancelled_at.is_not(None), Batch.cancelled_at <= cutoff),
     )
+
+
+def purge_result_bodies(session: Session, *, now: datetime, grace_s: float, limit: int) -> int:
+    """Delete the line rows of batches whose result files were written long enough ago."""
+    if grace_s < 0:
+        return 0
+    ended = ended_before(now - timedelta(seconds=grace_s))
     batch_ids = list(
         session.execute(
             select(Batch.id)
@@ -108,9 +111,7 @@ def purge_result_bodies(session: Session, *, now: datetime, grace_s: float, limi
     )
     for batch_id in batch_ids:
         session.execute(
-            delete(BatchRequest)
-            .where(BatchRequest.batch_id == batch_id)
-            .execution_options(synchronize_session=False)
+            delete(BatchRequest).where(BatchRequest.batch_id == batch_id).execution_options(synchronize_session=False)
         )
         session.execute(update(Batch).where(Batch.id == batch_id).values(bodies_purged_at=now))
     return len(batch_ids)
@@ -120,9 +121,13 @@ def run_retention(
     session: Session, store: ObjectStore, *, policy: RetentionPolicy, now: datetime | None = None
 ) -> RetentionReport:
     now = now or utcnow()
+    grace_s, limit = policy.result_body_grace_s, policy.batch_size
     return RetentionReport(
-        file_objects=purge_file_objects(session, store, now=now, limit=policy.batch_size),
-        orphans=collect_orphans(session, store, now=now, grace_s=policy.orphan_grace_s, limit=policy.batch_size),
-        body_batches=purge_result_bodies(session, now=now, grace_s=policy.result_body_grace_s, limit=policy.batch_size),
-        ledgers=roll_up_ledgers(session, now=now, limit=policy.batch_size),
+        file_objects=purge_file_objects(session, store, now=now, limit=limit),
+        orphans=collect_orphans(session, store, now=now, grace_s=policy.orphan_grace_s, limit=limit),
+        body_batches=purge_result_bodies(session, now=now, grace_s=grace_s, limit=limit),
+        # After the same grace: the per-line rows stay readable while a finished batch is fresh.
+        ledgers=0
+        if grace_s < 0
+        else roll_up_ledgers(session, now=now, ended=ended_before(now - timedelta(seconds=grace_s)), limit=limit),
     )

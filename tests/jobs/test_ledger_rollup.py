@@ -48,9 +48,7 @@ def _finished_batch(db: sessionmaker[Session]) -> tuple[str, str]:
         claim_requests(s, batch_id=batch_id, limit=LINES, claim_token="a")
         for line in range(1, LINES + 1):
             failed = line % 10 == 0  # a failed line costs nothing and has no ledger row
-            outcome = Outcome(
-                400 if failed else 200, b"{}", "req", Usage(100 + line, line % 7, 20 + line % 3, 0)
-            )
+            outcome = Outcome(400 if failed else 200, b"{}", "req", Usage(100 + line, line % 7, 20 + line % 3, 0))
             assert record_outcome(s, batch_id=batch_id, line=line, claim_token="a", outcome=outcome)
     with db.begin() as s:
         done = s.get(Batch, batch_id)
@@ -88,14 +86,14 @@ def test_retention_removes_the_line_rows_and_rolls_up_the_ledger(db: sessionmake
     batch_id, _ = _finished_batch(db)
     store = LocalObjectStore(tmp_path / "objects")
     policy = RetentionPolicy(orphan_grace_s=3600, result_body_grace_s=3600)
-    with db.begin() as s:  # the batch just ended: its ledger rolls up, its lines stay for the grace period
+    with db.begin() as s:  # the batch just ended: its lines and ledger rows stay for the grace period
         report = run_retention(s, store, policy=policy)
-        assert (report.ledgers, report.body_batches) == (1, 0)
+        assert (report.ledgers, report.body_batches) == (0, 0)
     with db() as s:
         assert s.execute(select(func.count()).where(BatchRequest.batch_id == batch_id)).scalar_one() == LINES
     with db.begin() as s:
         report = run_retention(s, store, policy=policy, now=utcnow() + timedelta(hours=2))
-        assert (report.ledgers, report.body_batches) == (0, 1)
+        assert (report.ledgers, report.body_batches) == (1, 1)
     with db() as s:
         assert s.execute(select(func.count()).where(BatchRequest.batch_id == batch_id)).scalar_one() == 0
         assert s.execute(select(func.count()).select_from(UsageLedgerEntry)).scalar_one() <= 2
