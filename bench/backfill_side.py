@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from backfill.scheduler.admission import POOL, Observation
-from backfill.scheduler.capacity import Decision
+from backfill.scheduler.capacity import Decision, FleetCapacityLoop
 from backfill.scheduler.dispatcher import Dispatcher
 from backfill.scheduler.fleet import FleetClient
 from backfill.scheduler.leases import get_lease_store
@@ -68,7 +68,9 @@ def main(argv: list[str] | None = None) -> None:
                 }
             )
 
-        loop.on_decision = decided
+        # One controller per deployment behind a FleetCapacityLoop: every one's decisions count.
+        for controlled in loop.loops if isinstance(loop, FleetCapacityLoop) else [loop]:
+            controlled.on_decision = decided
         threading.Thread(target=loop.run, args=(stop,), daemon=True).start()
 
     async def dispatch() -> None:

@@ -14,14 +14,12 @@ import asyncio
 import io
 import json
 import os
-import secrets
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
 MODEL = "tiny-chat"
 
@@ -74,7 +72,7 @@ def through_backfill(base_url: str, key: str, lines: list[dict[str, object]]) ->
         time.sleep(0.5)
         batch = client.batches.retrieve(batch.id)
     elapsed = time.perf_counter() - started
-    if batch.status != "completed":
+    if batch.status != "completed" or batch.output_file_id is None:
         raise RuntimeError(f"batch ended {batch.status}: {batch.errors}")
     out = client.files.content(batch.output_file_id).text.splitlines()
     return elapsed, len(out)
@@ -89,47 +87,34 @@ def main() -> None:
     ap.add_argument("--speedup", type=float, default=10.0, help="mocker speedup ratio (simulated time per wall second)")
     args = ap.parse_args()
 
-    from backfill.devfleet.fleet import Fleet
-    from backfill.devfleet.processes import free_port
-    from backfill.devfleet.s3 import SeaweedS3
-    from tests.stack import Stack, create_database, drop_database, service_env
+    from backfill.devfleet.stack import launch_stack
 
     lines = make_lines(args.requests, args.max_tokens)
-    db = f"backfill_bench_{secrets.token_hex(4)}"
-    import redis
-
-    redis.Redis.from_url(REDIS_URL).flushdb()
+    settings = {
+        "BACKFILL_MAX_INFLIGHT": str(args.concurrency),
+        # A fixed bound: this measures backfill's own machinery, not the controller.
+        "BACKFILL_CAPACITY_CONTROL": "off",
+        "BACKFILL_LOG_LEVEL": "WARNING",
+    }
     with (
         tempfile.TemporaryDirectory() as tmp,
-        Fleet(num_workers=args.fleet_workers, speedup_ratio=args.speedup, model_name=MODEL) as fleet,
-        SeaweedS3() as s3,
+        launch_stack(
+            Path(tmp),
+            settings=settings,
+            fleet_workers=args.fleet_workers,
+            fleet_speedup=args.speedup,
+            model=MODEL,
+            name="bench",
+            redis_url=REDIS_URL,
+            flush=True,
+        ) as stack,
     ):
-        s3.create_bucket("backfill-test")
-        pg_url = create_database(PG_ADMIN_URL, db)
-        key = "sk-bench-" + secrets.token_hex(12)
-        env = {
-            **service_env(home=Path(tmp), pg_url=pg_url, redis_url=REDIS_URL, s3=s3, fleet_url=fleet.base_url),
-            "BACKFILL_BOOTSTRAP_API_KEY": key,
-            "BACKFILL_MAX_INFLIGHT": str(args.concurrency),
-            # A fixed bound: this measures backfill's own machinery, not the controller.
-            "BACKFILL_CAPACITY_CONTROL": "off",
-            "BACKFILL_LOG_LEVEL": "WARNING",
-            "BACKFILL_RATE_LIMIT": "off",
-        }
-        stack = Stack(env=env, logdir=Path(tmp), api_port=free_port())
-        try:
-            for name in ("api", "worker", "scheduler"):
-                stack.start(name)
-            stack.wait_healthy()
-            # Warm both paths (connections, the fleet's first requests) before timing.
-            asyncio.run(direct(fleet.base_url, lines[:200], args.concurrency))
-            through_backfill(stack.base_url, key, lines[:200])
+        # Warm both paths (connections, the fleet's first requests) before timing.
+        asyncio.run(direct(stack.fleet_url, lines[:200], args.concurrency))
+        through_backfill(stack.base_url, stack.key, lines[:200])
 
-            direct_s = asyncio.run(direct(fleet.base_url, lines, args.concurrency))
-            backfill_s, n_out = through_backfill(stack.base_url, key, lines)
-        finally:
-            stack.stop()
-            drop_database(PG_ADMIN_URL, db)
+        direct_s = asyncio.run(direct(stack.fleet_url, lines, args.concurrency))
+        backfill_s, n_out = through_backfill(stack.base_url, stack.key, lines)
 
     assert n_out == args.requests, (n_out, args.requests)
     d_rps, b_rps = args.requests / direct_s, args.requests / backfill_s

@@ -250,8 +250,8 @@ def bench_finalize(store: S3ObjectStore, n_lines: int, *, shape: str, ran: int, 
     jobs/output.py and for the working tree's, interleaved (the order swapped every round, so a
     slow stretch of the shared machine falls on both); each run checked to write the same."""
     import backfill.jobs.output as after
+    from backfill.devfleet.services import create_database, drop_database
     from backfill.storage.db import make_engine
-    from tests.stack import create_database, drop_database
 
     name = f"backfill_bench_{secrets.token_hex(4)}"
     engine = make_engine(create_database(PG_ADMIN_URL, name))

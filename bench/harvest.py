@@ -36,9 +36,11 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+from bench.harvest_results import RunResult, SloRule
 
 ROOT = Path(__file__).resolve().parent.parent
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -50,30 +52,6 @@ BLOCK_SIZE = 64
 KV_BUDGET_BYTES = 2048 * BLOCK_SIZE * 576
 BATCH_LINES = 6000
 WARMUP_S = 6.0  # the batch side starts this long before the trace
-
-
-@dataclass(frozen=True)
-class SloRule:
-    ttft_s: float
-    itl_s: float
-
-
-@dataclass
-class RunResult:
-    name: str
-    kind: str  # a | b | s | c
-    concurrency: int | None
-    attainment: float
-    n: int
-    ttft_p50: float
-    ttft_p90: float
-    itl_p50: float
-    itl_p90: float
-    batch_tok_s: float
-    batch_requests: int
-    aborted_or_failed: int
-    loop_lag_p99_s: float
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -6,10 +6,9 @@ import json
 import math
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from bench.harvest import RunResult, SloRule
+from bench.harvest_results import RunResult, SloRule
 
 HOLD_POINTS = 1.0  # a static setting "holds the SLO" within this many points of (a)
 

@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
 
-    from tests.stack import create_database, drop_database
+    from backfill.devfleet.services import create_database, drop_database
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "sweep.jsonl"
@@ -104,7 +104,9 @@ def main() -> None:
     now = list(index.rows())
     old_rank = path_sorted_ranks(index)
     before = [(*r[:7], old_rank[i], *r[8:]) for i, r in enumerate(now)]
-    print(f"{args.lines} lines; plan {plan_s:.2f} s; rank descents in file order: before {descents(before)}, now {descents(now)}")
+    print(
+        f"{args.lines} lines; plan {plan_s:.2f} s; rank descents in file order: before {descents(before)}, now {descents(now)}"
+    )
 
     db = f"backfill_index_order_{secrets.token_hex(4)}"
     url = create_database(PG_ADMIN_URL, db).replace("postgresql+psycopg://", "postgresql://")

@@ -202,8 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     if a.mode == "interactive":
-        spec_fields = json.loads(a.spec)
-        spec = TraceSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec_fields.items()})
+        spec_fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(a.spec).items()}
+        spec = TraceSpec(**spec_fields)
         result = asyncio.run(run_interactive(a.base_url, a.model, spec, a.salt, a.t0))
     else:
         result = asyncio.run(run_naive(a.base_url, a.model, a.concurrency, a.salt, a.t_start, a.t_end))

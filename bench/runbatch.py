@@ -24,14 +24,12 @@ import argparse
 import io
 import json
 import os
-import secrets
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/6")
 
 
@@ -137,12 +135,8 @@ def main() -> None:
     ap.add_argument("--engine-arg", action="append", default=[], help="extra engine argument for both runs")
     args = ap.parse_args()
 
-    import redis
-
-    from backfill.devfleet.processes import free_port
-    from backfill.devfleet.s3 import SeaweedS3
+    from backfill.devfleet.stack import launch_stack
     from backfill.devfleet.vllm import MODEL_NAME, VllmServer, build_vllm_model, ensure_vllm_venv
-    from tests.stack import Stack, create_database, drop_database, service_env
 
     python = ensure_vllm_venv()
     model = build_vllm_model(python=python)
@@ -156,39 +150,33 @@ def main() -> None:
         for n in args.lines:
             theirs[n] = run_vllm_batch(python, engine_args, make_lines(n, MODEL_NAME, args.max_tokens), work)
             print(f"run-batch {n} lines: {theirs[n][0]:.1f} s", flush=True)
-        redis.Redis.from_url(REDIS_URL).flushdb()
-        db = f"backfill_runbatch_{secrets.token_hex(4)}"
-        with SeaweedS3() as s3, server:
+        settings = {
+            "BACKFILL_MAX_INFLIGHT": str(args.inflight),
+            "BACKFILL_MAX_REQUESTS_PER_BATCH": str(max(args.lines)),
+            "BACKFILL_MAX_FILE_BYTES": str(256 * 1024 * 1024),
+            "BACKFILL_FLEET_PRIORITY_HINT": "none",  # the server runs the default (fcfs) policy
+            "BACKFILL_CAPACITY_CONTROL": "false",
+            "BACKFILL_LOG_LEVEL": "WARNING",
+        }
+        with server:
             print(f"vllm serve ready in {server.startup_s:.0f} s", flush=True)
-            s3.create_bucket("backfill-test")
-            pg_url = create_database(PG_ADMIN_URL, db)
-            key = "sk-bench-" + secrets.token_hex(12)
-            env = {
-                **service_env(home=work / "home", pg_url=pg_url, redis_url=REDIS_URL, s3=s3, fleet_url=server.base_url),
-                "BACKFILL_BOOTSTRAP_API_KEY": key,
-                "BACKFILL_MAX_INFLIGHT": str(args.inflight),
-                "BACKFILL_MAX_REQUESTS_PER_BATCH": str(max(args.lines)),
-                "BACKFILL_MAX_FILE_BYTES": str(256 * 1024 * 1024),
-                "BACKFILL_FLEET_PRIORITY_HINT": "none",  # the server runs the default (fcfs) policy
-                "BACKFILL_CAPACITY_CONTROL": "false",
-                "BACKFILL_LOG_LEVEL": "WARNING",
-                "BACKFILL_RATE_LIMIT": "off",
-            }
-            stack = Stack(env=env, logdir=work, api_port=free_port())
-            try:
-                for name in ("api", "worker", "scheduler"):
-                    stack.start(name)
-                stack.wait_healthy()
-                through_backfill(stack.base_url, key, make_lines(50, MODEL_NAME, args.max_tokens))  # warm-up
+            with launch_stack(
+                work / "stack",
+                settings=settings,
+                fleet_url=server.base_url,
+                name="runbatch",
+                redis_url=REDIS_URL,
+                flush=True,
+            ) as stack:
+                through_backfill(stack.base_url, stack.key, make_lines(50, MODEL_NAME, args.max_tokens))  # warm-up
                 for n in args.lines:
-                    ours_s, ours = through_backfill(stack.base_url, key, make_lines(n, MODEL_NAME, args.max_tokens))
+                    ours_s, ours = through_backfill(
+                        stack.base_url, stack.key, make_lines(n, MODEL_NAME, args.max_tokens)
+                    )
                     theirs_s, theirs_out = theirs[n]
                     problems = compare(ours, theirs_out)
                     rows.append((n, ours_s, theirs_s, problems))
                     print(f"backfill {n} lines: {ours_s:.1f} s", flush=True)
-            finally:
-                stack.stop()
-                drop_database(PG_ADMIN_URL, db)
 
     print(f"max_tokens={args.max_tokens} inflight={args.inflight} cores={os.cpu_count()}")
     print("| lines | backfill s | backfill req/s | run-batch s | run-batch req/s | equivalent |")

@@ -1,0 +1,31 @@
+"""What a harvest run measured, shared by the benchmark (bench/harvest.py) and its report
+(bench/harvest_report.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SloRule:
+    ttft_s: float
+    itl_s: float
+
+
+@dataclass
+class RunResult:
+    name: str
+    kind: str  # a | b | s | c
+    concurrency: int | None
+    attainment: float
+    n: int
+    ttft_p50: float
+    ttft_p90: float
+    itl_p50: float
+    itl_p90: float
+    batch_tok_s: float
+    batch_requests: int
+    aborted_or_failed: int
+    loop_lag_p99_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
