@@ -1,0 +1,92 @@
+"""Two scheduler replicas, one leader: SIGKILL the leader mid-batch and the standby takes over.
+
+What it checks, besides the promises every fault test checks (tests/e2e/faults.py: every batch
+terminal, no line lost or duplicated, none billed twice, the fleet never above the limit): only
+one replica leads at a time, and the standby leads within about 10 s of the leader's death.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import openai
+import pytest
+import redis
+
+from backfill.devfleet.stack import Stack
+from tests.e2e.fault_probes import FaultReport, FleetInflight, SendCounter
+from tests.e2e.faults import Window, finished, resent_unaccounted, settle, submit, under_way
+from tests.e2e.helpers import wait_until
+
+pytestmark = pytest.mark.e2e
+
+LEADER_KEY = "backfill:leader:scheduler"
+TAKEOVER_WITHIN_S = 10.0
+LEADS = re.compile(r"this scheduler leads now \(token ([0-9a-f]{8})\)")
+
+
+def _leader_token(stack: Stack) -> str | None:
+    value = redis.Redis.from_url(stack.redis_url, decode_responses=True).get(LEADER_KEY)
+    return str(value)[:8] if value is not None else None
+
+
+def _replica_of(stack: Stack, token: str) -> str | None:
+    for name in ("scheduler", "scheduler-b"):
+        if token in LEADS.findall(stack.log(name)):
+            return name
+    return None
+
+
+def test_sigkill_the_leading_scheduler_mid_batch(
+    fstack: Stack,
+    teams: list[openai.OpenAI],
+    send_counter: SendCounter,
+    fleet_inflight: FleetInflight,
+    fault_report: FaultReport,
+    faults_db: str,
+) -> None:
+    fstack.start("scheduler-b", kind="scheduler")
+    wait_until("a leader", lambda: _leader_token(fstack) is not None, timeout_s=30, every_s=0.1)
+    window = Window(send_counter, fleet_inflight)
+    load = submit(teams, "sigkill-leader", slow_each=2)
+    under_way(faults_db, load)
+
+    token = _leader_token(fstack)
+    assert token is not None
+    leader = _replica_of(fstack, token)
+    assert leader is not None, "the lease's token names no replica"
+    standby = "scheduler-b" if leader == "scheduler" else "scheduler"
+    assert LEADS.findall(fstack.log(standby)) == [], "the standby led while the leader lived"
+    standby_log_before = len(fstack.log(standby))
+    at_kill = finished(faults_db, load)
+
+    fstack.kill(leader)
+    killed = time.monotonic()
+    wait_until(
+        "the standby leads",
+        lambda: bool(LEADS.search(fstack.log(standby)[standby_log_before:])),
+        timeout_s=TAKEOVER_WITHIN_S + 10,
+        every_s=0.05,
+    )
+    takeover_s = time.monotonic() - killed
+    new_token = _leader_token(fstack)
+    assert new_token is not None and new_token != token
+    assert _replica_of(fstack, new_token) == standby
+
+    record = settle(
+        "SIGKILL leading scheduler",
+        f"standby scheduler led {takeover_s:.1f} s after the leader's SIGKILL (lease TTL 6 s)",
+        load,
+        db_url=faults_db,
+        cleared_at=killed,
+        window=window,
+        report=fault_report,
+        finished_at_clear=at_kill,
+    )
+    print(
+        f"scheduler-ha: takeover_s={takeover_s:.1f} lost={record.lost} duplicated={record.duplicated} "
+        f"fleet_peak={record.fleet_peak} limit={record.limit}"
+    )
+    assert takeover_s <= TAKEOVER_WITHIN_S
+    assert resent_unaccounted(faults_db, load, send_counter) == 0
