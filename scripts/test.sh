@@ -24,4 +24,6 @@ fi
 .venv/bin/ruff check .
 .venv/bin/mypy
 .venv/bin/lint-imports
+# Helm and the Kubernetes 1.37 schemas (under .helm/): lint, render and validate the chart.
+bash scripts/helm.sh
 .venv/bin/pytest "$@"
