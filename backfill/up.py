@@ -34,6 +34,7 @@ import typer
 
 COMPONENTS = ("worker", "scheduler", "api")
 STOP_GRACE_S = 30.0  # longer than a drain's shutdown grace (BACKFILL_DRAIN_GRACE_S, 20 s)
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 DEFAULT_MAX_TOKENS = 256  # the simulated model's default length limit (devfleet.length_front)
 POLL_S = 1.0
 LOG_TAIL_LINES = 25
@@ -115,9 +116,11 @@ def _say(line: str) -> None:
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when `up` dies, even by SIGKILL (Linux)."""
+    """In the child before exec: SIGTERM it when `up` dies, even by SIGKILL (Linux); and take
+    the signals `up` blocks while it starts the child (a mask survives exec) off its mask."""
     from backfill.devfleet.processes import _LIBC
 
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     if _LIBC is not None:
         _LIBC.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
 
@@ -149,7 +152,7 @@ def _components(
         for name in COMPONENTS:
             files.append((logs / f"{name}.log").open("wb"))
             # A signal waits until the process is started and on record: none is lost track of.
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
             try:
                 procs[name] = subprocess.Popen(
                     [*exe, *args[name]],
@@ -162,7 +165,7 @@ def _components(
                 )
                 record(run_dir, name, procs[name].pid)
             finally:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         fleet_kill = stopping.kill_all
 
         def kill_all() -> None:

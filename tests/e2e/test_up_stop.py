@@ -101,7 +101,7 @@ def _kill_tree(tree: list[psutil.Process]) -> None:
 
 
 def _long_batch(client: openai.OpenAI) -> tuple[str, list[str]]:
-    lines = [chat_line(i, max_tokens=200) for i in range(120)]
+    lines = [chat_line(i, max_tokens=400) for i in range(300)]  # about a minute on the mocker
     f = upload(client, jsonl(lines))
     b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
 
@@ -133,6 +133,7 @@ def test_two_sigterms_stop_everything_and_the_next_runs_finish_the_batch(tmp_pat
         batch_id, custom_ids = _long_batch(client)
         tree = first.tree()
         assert any("worker" in p.cmdline() for p in tree), [p.cmdline() for p in tree]
+        assert client.batches.retrieve(batch_id).status == "in_progress"  # cut short, mid-drain
         first.proc.send_signal(signal.SIGTERM)
         time.sleep(1)
         first.proc.send_signal(signal.SIGTERM)
@@ -184,8 +185,9 @@ def test_a_worker_told_twice_to_stop_ends_within_its_grace_and_an_orphan_holds_t
     run = Up(tmp_path, home, "run")
     try:
         client, _ = run.wait_up()
-        _long_batch(client)
+        batch_id, _ = _long_batch(client)
         worker = run.component("worker")
+        assert client.batches.retrieve(batch_id).status == "in_progress"
         tree = run.tree()
         told = time.monotonic()
         worker.send_signal(signal.SIGTERM)  # as a container runtime would: the main process alone
