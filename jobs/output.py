@@ -21,33 +21,30 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, closing
-
-from sqlalchemy.orm import Session
+from contextlib import closing
 
 from backfill.jobs.finalize_status import Plan, Written, begin, complete, derived_file_id, output_key
 from backfill.jobs.models import BatchStatus
 from backfill.jobs.output_format import ERROR_STATES, OUTPUT_STATES
-from backfill.jobs.output_pages import pages
+from backfill.jobs.output_pages import UnitOfWork, pages
 from backfill.storage.objects import ObjectStore
 from backfill.storage.upload_pipe import uploads
 
-__all__ = ["derived_file_id", "finalize_batch", "output_key"]
+__all__ = ["UnitOfWork", "derived_file_id", "finalize_batch", "output_key"]
 
 log = logging.getLogger("backfill.finalization")
 
-UnitOfWork = Callable[[], AbstractContextManager[Session]]
 _KINDS = ("output", "error")
 
 
-def _write_files(session: Session, store: ObjectStore, plan: Plan) -> Written:
-    """Read-only: the lines of a finalizing batch are settled, so no lock is taken or needed.
+def _write_files(units: UnitOfWork, store: ObjectStore, plan: Plan) -> Written:
+    """Read-only: the lines of a finalizing batch are settled, so no lock is taken or needed,
+    and each page is read in a short transaction of its own.
 
     One read of the rows: each page gives both files' lines (put concurrently, `uploads`) and
     the counts and usage, which only succeeded lines carry."""
     written = Written()
-    read = pages(session, plan.batch_id, (OUTPUT_STATES, ERROR_STATES), pending_as=plan.pending_as)
+    read = pages(units, plan.batch_id, (OUTPUT_STATES, ERROR_STATES), pending_as=plan.pending_as)
     keys = [output_key(plan.team_id, plan.batch_id, kind) for kind in _KINDS]
     with closing(read), uploads(store, keys, thread_name_prefix="finalize-put") as puts:
         for page in read:
@@ -72,8 +69,7 @@ def finalize_batch(units: UnitOfWork, store: ObjectStore, *, batch_id: str) -> B
     if not isinstance(plan, Plan):
         return plan
     planned = time.monotonic()
-    with units() as session:
-        written = _write_files(session, store, plan)
+    written = _write_files(units, store, plan)
     wrote = time.monotonic()
     with units() as session:
         status = complete(session, plan, written)
