@@ -58,6 +58,8 @@ class Settings(BaseSettings):
     # Uploads held open at once (each holds a store writer): beyond these, 429 + Retry-After.
     max_concurrent_uploads: int = 8
     max_concurrent_uploads_per_key: int = 4
+    # Partial-output downloads streaming at once per API key, in each API process: beyond, 429.
+    max_partial_downloads_per_key: int = 2
     # An upload that sends nothing for this long is dropped (408).
     upload_idle_timeout_s: float = 60.0
 
