@@ -104,7 +104,7 @@ def main() -> None:
         worker(*args.worker)
         return
 
-    from tests.stack import create_database, drop_database
+    from backfill.devfleet.services import create_database, drop_database
 
     name = f"backfill_bench_mem_{secrets.token_hex(4)}"
     url = create_database(PG_ADMIN_URL, name)
