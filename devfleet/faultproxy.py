@@ -11,7 +11,9 @@ Faults (by default only on POST: telemetry and model listing pass through untouc
 - error: answer at once with a 5xx (503 unless told), the fleet never sees the request;
 - timeout: read the request and never answer (the client's timeout has to end it);
 - reset: read the request, then reset the connection (TCP RST), the fleet never sees it;
-- stall: forward to the fleet, send the reply's headers and half its body, then stall.
+- stall: forward to the fleet, send the reply's headers and half its body, then stall;
+- pretty: forward to the fleet and give its JSON reply back pretty-printed, with a trailing
+  newline (as some engines and proxies write it).
 
 Rules apply in the order given; a request takes the first active one. Counters in `stats`
 tell a test how many requests met each fault, so a test can show its faults really happened.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import socket
 import struct
 import threading
@@ -48,6 +51,7 @@ class Fault(StrEnum):
     timeout = "timeout"
     reset = "reset"
     stall = "stall"
+    pretty = "pretty"
 
 
 @dataclass
@@ -190,9 +194,10 @@ class FaultProxy:
                 rule = self._take(method)
                 if rule is not None:
                     self._count(rule.fault.value)
-                if rule is None or rule.fault is Fault.stall:
+                if rule is None or rule.fault in (Fault.stall, Fault.pretty):
                     label = "forwarded" if method in self.methods else "passed"
-                    outcome = await self._forward(conn, writer, head, body, stall=rule is not None, label=label)
+                    fault = rule.fault if rule is not None else None
+                    outcome = await self._forward(conn, writer, head, body, fault=fault, label=label)
                     if outcome == "stalled":
                         await self._hold(reader)
                         return
@@ -240,11 +245,12 @@ class FaultProxy:
         head: h11.Request,
         body: bytes,
         *,
-        stall: bool,
+        fault: Fault | None,
         label: str,
     ) -> str:
-        """Pass the request to the fleet and its reply back: "forwarded"; with `stall` only half
-        the reply's body goes back: "stalled" (the connection is to be held); "upstream_failed".
+        """Pass the request to the fleet and its reply back: "forwarded"; with `Fault.stall` only
+        half the reply's body goes back: "stalled" (the connection is to be held); with
+        `Fault.pretty` a JSON body goes back pretty-printed; "upstream_failed".
         A full reply is counted under `label`."""
         assert self._client is not None
         headers = [(k, v) for k, v in head.headers if k.lower() not in HOP_BY_HOP and k.lower() != b"content-length"]
@@ -269,8 +275,15 @@ class FaultProxy:
             return "upstream_failed"
         try:
             out = [(k, v) for k, v in resp.headers.raw if k.lower() not in HOP_BY_HOP]
-            if stall:
+            if fault is not None:
                 raw = await resp.aread()
+                if fault is Fault.pretty:  # (read decoded: any content-encoding goes too)
+                    raw = _pretty(raw)
+                    out = [(k, v) for k, v in out if k.lower() not in (b"content-length", b"content-encoding")]
+                    out.append((b"content-length", str(len(raw)).encode()))
+                    self._count(label)
+                    await self._answer(conn, writer, resp.status_code, raw, headers=out)
+                    return "forwarded"
                 out = [(k, v) for k, v in out if k.lower() != b"content-length"]
                 out.append((b"content-length", str(len(raw)).encode()))
                 writer.write(conn.send(h11.Response(status_code=resp.status_code, headers=out)) or b"")
@@ -288,8 +301,17 @@ class FaultProxy:
         finally:
             await resp.aclose()
 
-    async def _answer(self, conn: h11.Connection, writer: asyncio.StreamWriter, status: int, body: bytes) -> None:
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    async def _answer(
+        self,
+        conn: h11.Connection,
+        writer: asyncio.StreamWriter,
+        status: int,
+        body: bytes,
+        *,
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        if headers is None:
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         writer.write(conn.send(h11.Response(status_code=status, headers=headers)) or b"")
         writer.write(conn.send(h11.Data(data=body)) or b"")
         writer.write(conn.send(h11.EndOfMessage()) or b"")
@@ -308,3 +330,11 @@ class FaultProxy:
             # Linger on with a zero timeout: close() sends RST instead of FIN.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         writer.transport.abort()
+
+
+def _pretty(raw: bytes) -> bytes:
+    """A JSON body indented over several lines and ended by a newline; anything else as it is."""
+    try:
+        return json.dumps(json.loads(raw), indent=2).encode() + b"\n"
+    except ValueError:
+        return raw

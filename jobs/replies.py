@@ -123,11 +123,23 @@ def _fill_sdk_required(parsed: Any) -> bool:
     return False
 
 
-def normalise_body(raw: bytes, status_code: int = 200) -> tuple[bytes, Any]:
-    """The fleet's body as it goes into a result line, as JSON bytes and parsed.
+def _one_line(raw: bytes, parsed: Any) -> bytes:
+    """The body's JSON on one line: result lines embed it as it is, so a line break in it would
+    split a line of the output file in two. JSON escapes a line break inside a string, so a
+    body without a newline or carriage-return byte is on one line already and is kept as the
+    fleet sent it (found by a byte scan, far cheaper than serialising); one with them (pretty-
+    printed, a trailing newline) is written again compactly from its parsed value."""
+    if b"\n" in raw or b"\r" in raw:
+        return orjson.dumps(parsed)
+    return raw
 
-    A success keeps the fleet's bytes unless a field the SDK requires was missing (then filled);
-    a failure (or a body that is not JSON) becomes OpenAI's error envelope with the fleet's text."""
+
+def normalise_body(raw: bytes, status_code: int = 200) -> tuple[bytes, Any]:
+    """The fleet's body as it goes into a result line, as single-line JSON bytes and parsed.
+
+    A success keeps the fleet's bytes unless they span lines or a field the SDK requires was
+    missing (then written again); a failure (or a body that is not JSON) becomes OpenAI's error
+    envelope with the fleet's text."""
     try:
         parsed = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -137,9 +149,21 @@ def normalise_body(raw: bytes, status_code: int = 200) -> tuple[bytes, Any]:
     if not 200 <= status_code < 300:
         inner = parsed.get("error") if isinstance(parsed, dict) else None
         if isinstance(inner, dict) and set(ENVELOPE_FIELDS) <= inner.keys() and len(parsed) == 1:
-            return raw, parsed  # already OpenAI's envelope: the fleet's bytes as they are
+            return _one_line(raw, parsed), parsed  # already OpenAI's envelope: the fleet's bytes
         parsed = error_envelope(parsed, raw, status_code)
         return orjson.dumps(parsed), parsed
     if _fill_sdk_required(parsed):
         return orjson.dumps(parsed), parsed
-    return raw, parsed
+    return _one_line(raw, parsed), parsed
+
+
+def outcome_of(status_code: int, raw: bytes, request_id: str | None) -> Outcome:
+    """The fleet's reply to one request, parsed once: its body as a result line stores it, its
+    request id (the fleet's `x-request-id`, else the body's own id) and its token usage."""
+    body, parsed = normalise_body(raw, status_code)
+    return Outcome(
+        status_code=status_code,
+        body=body,
+        request_id=request_id or request_id_of(parsed),
+        usage=usage_from_body(parsed),
+    )

@@ -27,7 +27,6 @@ import orjson
 from redis.exceptions import RedisError
 
 from backfill.jobs.claims import ClaimedRequest
-from backfill.jobs.replies import normalise_body, usage_from_body
 from backfill.scheduler.admission import Admission, Observation, pool_of
 from backfill.scheduler.breaker import BreakerState
 from backfill.scheduler.claiming import claim_lines, read_bodies
@@ -35,7 +34,7 @@ from backfill.scheduler.fleet import FleetClient, FleetReply
 from backfill.scheduler.leases import LeaseStore
 from backfill.scheduler.metrics import record_fleet_reply
 from backfill.scheduler.n_expansion import post_request
-from backfill.scheduler.recorder import Done, Recorder
+from backfill.scheduler.recorder import Answer, Done, Recorder
 from backfill.scheduler.routing_hints import add_routing_hints
 from backfill.scheduler.shedding import InflightCalls
 from backfill.storage.db import is_transient
@@ -282,7 +281,7 @@ class Dispatcher:
             self._leases_down_since = None
 
     async def _send(self, request: ClaimedRequest, lease: str, deployment: int, raw: bytes) -> None:
-        reply: FleetReply | None = None
+        answer: Answer | None = None  # None: aborted, the line goes back to pending
         call: asyncio.Task[FleetReply] | None = None
         try:
             if self._abort_all:  # past the shutdown grace before it was sent: requeued unsent
@@ -297,28 +296,31 @@ class Dispatcher:
                 self._calls.add(call, deployment)
                 reply = await call
                 self.sent += 1
-                self._observe(reply, deployment)
+                answer = Answer.of(reply)  # parsed here, once: observed now, recorded as it is
+                self._observe(reply, answer, deployment)
                 record_fleet_reply(reply)
         except asyncio.CancelledError:
             if call is None or not call.cancelled():
                 raise
             # Shed by the capacity controller, or past the shutdown grace: closing the connection
             # makes the fleet drop the request and free its KV cache; the line goes back to pending.
-            reply = None
+            answer = None
             self.aborted += 1
         except Exception as exc:
             log.exception("sending line %s of batch %s failed", request.line, request.batch_id)
-            reply = FleetReply(500, orjson.dumps({"error": {"message": repr(exc)}}), None, 0.0, transient=True)
+            answer = Answer.of(
+                FleetReply(500, orjson.dumps({"error": {"message": repr(exc)}}), None, 0.0, transient=True)
+            )
         finally:
             if call is not None:
                 self._calls.discard(call)
             self._held.pop(lease, None)
             self._on[deployment] -= 1
             await self._give_back([(lease, deployment)])
-        await self.recorder.put(Done(request, reply))
+        await self.recorder.put(Done(request, answer))
 
-    def _observe(self, reply: FleetReply, deployment: int) -> None:
-        usage = usage_from_body(normalise_body(reply.body)[1]) if reply.status_code == 200 else None
+    def _observe(self, reply: FleetReply, answer: Answer, deployment: int) -> None:
+        usage = answer.outcome.usage if reply.status_code == 200 else None
         self.admission.observe(
             Observation(
                 reply.status_code,

@@ -26,7 +26,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_ran
 
 from backfill.jobs.claims import ClaimedRequest, release_for_retry, requeue_unstarted
 from backfill.jobs.models import utcnow
-from backfill.jobs.replies import Outcome, normalise_body, request_id_of, usage_from_body
+from backfill.jobs.replies import Outcome, outcome_of
 from backfill.jobs.results import attempts_exceeded, record_outcomes
 from backfill.jobs.sweeps import lines_held_by
 from backfill.scheduler.fleet import FleetReply
@@ -38,13 +38,29 @@ BACKOFF_BASE_S, BACKOFF_CAP_S = 1.0, 60.0
 WRITE_GROUP = 200
 RESULT_BUFFER = 4096  # replies waiting to be recorded
 DB_RETRY_MAX_S = 2.0  # longest pause between two tries while the database is away
-UNRECORDABLE = FleetReply(500, b'{"error":{"message":"result not recordable"}}', None, 0.0, transient=True)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The fleet's reply to a line, parsed once, when it arrives: the drain observes its usage,
+    the recorder stores its outcome or, while it is worth retrying, releases the line."""
+
+    outcome: Outcome
+    transient: bool  # worth retrying: overload, server error, timeout, connection failure
+    sent: bool  # False: the request reached no deployment, so no attempt is spent
+
+    @classmethod
+    def of(cls, reply: FleetReply) -> Answer:
+        return cls(outcome_of(reply.status_code, reply.body, reply.request_id), reply.transient, reply.sent)
+
+
+UNRECORDABLE = Answer.of(FleetReply(500, b'{"error":{"message":"result not recordable"}}', None, 0.0, transient=True))
 
 
 @dataclass
 class Done:
     request: ClaimedRequest
-    reply: FleetReply | None  # None: aborted to give capacity back; requeued, no attempt spent
+    answer: Answer | None  # None: aborted to give capacity back; requeued, no attempt spent
 
 
 class Recorder:
@@ -190,11 +206,11 @@ class Recorder:
         finished: list[tuple[str, int, Outcome]] = []
         with unit_of_work() as session:
             for done in group:
-                r, reply = done.request, done.reply
-                if reply is None:
+                r, answer = done.request, done.answer
+                if answer is None:
                     requeue_unstarted(session, batch_id=r.batch_id, lines=[r.line], claim_token=self.holder)
                     continue
-                if reply.transient and (not reply.sent or r.attempts + 1 < self.max_attempts):
+                if answer.transient and (not answer.sent or r.attempts + 1 < self.max_attempts):
                     delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**r.attempts) * random.uniform(0.5, 1.0)
                     release_for_retry(
                         session,
@@ -202,18 +218,11 @@ class Recorder:
                         line=r.line,
                         claim_token=self.holder,
                         not_before=utcnow() + timedelta(seconds=delay),
-                        spend_attempt=reply.sent,  # nothing reached the fleet: no attempt spent
+                        spend_attempt=answer.sent,  # nothing reached the fleet: no attempt spent
                     )
                     continue
                 if why:
                     finished.append((r.batch_id, r.line, attempts_exceeded(r.attempts + 1, why)))
                     continue
-                body, parsed = normalise_body(reply.body, reply.status_code)
-                outcome = Outcome(
-                    status_code=reply.status_code,
-                    body=body,
-                    request_id=reply.request_id or request_id_of(parsed),
-                    usage=usage_from_body(parsed),
-                )
-                finished.append((r.batch_id, r.line, outcome))
+                finished.append((r.batch_id, r.line, answer.outcome))
             record_outcomes(session, claim_token=self.holder, results=finished)

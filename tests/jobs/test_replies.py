@@ -1,6 +1,11 @@
 from __future__ import annotations
 
-from backfill.jobs.replies import normalise_body, usage_from_body
+import json
+
+import orjson
+import pytest
+
+from backfill.jobs.replies import normalise_body, outcome_of, usage_from_body
 from backfill.scheduler.routing_hints import add_routing_hints
 
 
@@ -41,3 +46,38 @@ def test_routing_hints_never_touch_client_fields() -> None:
     assert {k: v for k, v in out.items() if k != "nvext"} == {k: v for k, v in body.items() if k != "nvext"}
     assert body["nvext"]["agent_hints"] == {"osl": 5}  # the input is not mutated
     assert add_routing_hints(body, "none") is body
+
+
+CHAT = {"id": "chatcmpl-1", "object": "chat.completion", "choices": [{"message": {"content": "a\nb"}}]}
+ENVELOPE = {"error": {"message": "too long", "type": "BadRequestError", "param": None, "code": 400}}
+
+
+@pytest.mark.parametrize(
+    ("raw", "status"),
+    [
+        (json.dumps(CHAT, indent=2).encode(), 200),  # pretty-printed
+        (orjson.dumps(CHAT) + b"\n", 200),  # a trailing newline
+        (orjson.dumps(CHAT) + b"\r\n", 200),
+        (json.dumps(ENVELOPE, indent=2).encode() + b"\n", 400),  # already the envelope, pretty
+    ],
+)
+def test_a_body_is_stored_on_one_line_whatever_its_layout(raw: bytes, status: int) -> None:
+    """A result line embeds the stored body as it is: a newline byte in it splits the line."""
+    body, parsed = normalise_body(raw, status)
+    assert b"\n" not in body and b"\r" not in body
+    assert orjson.loads(body) == parsed == orjson.loads(raw)
+
+
+def test_a_compact_body_is_kept_byte_for_byte() -> None:
+    raw = orjson.dumps(CHAT) + b" "  # whitespace that splits nothing
+    assert normalise_body(raw, 200)[0] is raw
+
+
+def test_outcome_of_parses_once_for_body_request_id_and_usage() -> None:
+    raw = json.dumps({**CHAT, "usage": {"prompt_tokens": 4, "completion_tokens": 2}}, indent=1).encode()
+    outcome = outcome_of(200, raw, None)
+    assert outcome.request_id == "chatcmpl-1" and b"\n" not in outcome.body
+    assert (outcome.usage.prompt_tokens, outcome.usage.completion_tokens) == (4, 2)
+    assert outcome_of(200, raw, "hdr-1").request_id == "hdr-1"  # the fleet's x-request-id first
+    failed = outcome_of(503, b"overloaded", None)
+    assert failed.status_code == 503 and orjson.loads(failed.body)["error"]["message"] == "overloaded"

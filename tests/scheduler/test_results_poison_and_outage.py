@@ -17,7 +17,7 @@ from backfill.jobs.claims import ClaimedRequest
 from backfill.jobs.models import Batch, RequestState
 from backfill.jobs.results import ATTEMPTS_EXCEEDED
 from backfill.scheduler.fleet import FleetReply
-from backfill.scheduler.recorder import Done, Recorder
+from backfill.scheduler.recorder import Answer, Done, Recorder
 from backfill.storage.db import unit_of_work
 from tests.scheduler.test_reclaim import PG_ADMIN_URL, lines_of, running_batch
 from tests.scheduler.test_reclaim import scratch_db as scratch_db  # the fixture
@@ -39,9 +39,12 @@ def _claimed(batch_id: str, line: int, attempts: int = 0) -> ClaimedRequest:
     )
 
 
-def _reply(prompt_tokens: int = 3) -> FleetReply:
-    body = {"id": "x", "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 2}}
-    return FleetReply(200, orjson.dumps(body), None, 0.01, transient=False)
+def _body(prompt_tokens: int = 3) -> bytes:
+    return orjson.dumps({"id": "x", "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 2}})
+
+
+def _answer(prompt_tokens: int = 3) -> Answer:
+    return Answer.of(FleetReply(200, _body(prompt_tokens), None, 0.01, transient=False))
 
 
 async def _record(recorder: Recorder, items: list[Done]) -> None:
@@ -58,8 +61,8 @@ def test_a_result_the_database_refuses_spends_an_attempt_and_spares_the_rest(scr
         s.query(type(lines_of(batch_id)[0])).filter_by(batch_id=batch_id, line=6).update({"attempts": 2})
     # A status the column cannot hold (a 32-bit integer): the database refuses that one result.
     # (Absurd usage figures no longer do: they are clamped when the reply is parsed.)
-    poison = FleetReply(2**40, _reply().body, None, 0.01, transient=False)
-    items = [Done(_claimed(batch_id, n), _reply()) for n in range(1, 5)]
+    poison = Answer.of(FleetReply(2**40, _body(), None, 0.01, transient=False))
+    items = [Done(_claimed(batch_id, n), _answer()) for n in range(1, 5)]
     items += [Done(_claimed(batch_id, 5), poison), Done(_claimed(batch_id, 6, attempts=2), poison)]
     recorder = Recorder(holder=TOKEN, max_attempts=3, patience_s=5, finish_by=lambda: None)
     asyncio.run(_record(recorder, items))
@@ -110,13 +113,13 @@ def test_replies_wait_out_a_database_outage_and_are_written_once(scratch_db: str
     async def scenario() -> None:
         writer = asyncio.create_task(recorder.run())
         watcher = asyncio.create_task(watch())
-        await recorder.put(Done(_claimed(batch_id, 1), _reply()))  # before the outage
+        await recorder.put(Done(_claimed(batch_id, 1), _answer()))  # before the outage
         while lines_of(batch_id)[0].state != RequestState.succeeded:
             await asyncio.sleep(0.05)
         outage = _outage(scratch_db, 3.0)
         await asyncio.sleep(0.3)
         for n in range(2, 41):
-            await recorder.put(Done(_claimed(batch_id, n), _reply()))
+            await recorder.put(Done(_claimed(batch_id, n), _answer()))
             await asyncio.sleep(0.02)
         await asyncio.to_thread(outage.join)
         await recorder.queue.put(None)
@@ -145,7 +148,7 @@ def test_a_database_away_longer_than_the_patience_gives_the_replies_up(scratch_d
     outage = _outage(scratch_db, 4.0)
     time.sleep(0.3)
     started = time.monotonic()
-    asyncio.run(_record(recorder, [Done(_claimed(batch_id, n), _reply()) for n in (1, 2, 3)]))
+    asyncio.run(_record(recorder, [Done(_claimed(batch_id, n), _answer()) for n in (1, 2, 3)]))
     gave_up_after = time.monotonic() - started
     outage.join()
     assert len(recorder.given_up) == 3 and gave_up_after < 3.5
