@@ -146,6 +146,9 @@ def stack(
         "BACKFILL_DRAIN_SLICE_S": "10",
         "BACKFILL_TICK_INTERVAL_S": "0.5",
         "BACKFILL_FLEET_MAX_RETRIES": "4",
+        # A production stack sends webhooks to public addresses only: the e2e receivers listen
+        # on loopback, which the operator's allow-list names.
+        "BACKFILL_WEBHOOK_ALLOWED_HOSTS": "127.0.0.1/32",
     }
     with launch_stack(
         tmp_path_factory.mktemp("stack"),

@@ -130,3 +130,21 @@ def test_batch_events_are_signed_retried_and_logged(stack: Stack, receiver: Flak
         assert d["status"] == "delivered" and d["attempts"] == 2 and d["next_attempt_at"] is None
         assert [a["status_code"] for a in d["history"]] == [500, 200]
         assert d["history"][1]["at"] - d["history"][0]["at"] >= 4  # the backoff, give or take a second
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://169.254.169.254/latest/meta-data/",
+        "http://10.0.0.5:5432/",
+        "http://0x0a000005/",
+        "http://localhost:6379/",
+    ],
+)
+def test_the_production_stack_refuses_private_targets(stack: Stack, url: str) -> None:
+    """The stack runs as production with only 127.0.0.1 allow-listed: other internal targets,
+    and loopback under other names or spellings, are refused when registered."""
+    client = _new_team_client(stack)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.webhooks.create(name="ssrf", url=url, event_types=["batch.completed"])
+    assert refused.value.code == "webhook_url_not_allowed"
