@@ -1,5 +1,10 @@
 """The drain loop: lease capacity, claim lines, send them to the fleet, record results.
 
+The stages live beside it: admission (`scheduler.admission`), the claim and the bodies' reads
+(`scheduler.claiming`), the fleet call (`scheduler.n_expansion`, `scheduler.fleet`), aborting
+calls when the controller sheds (`scheduler.shedding`) and recording (`scheduler.recorder`).
+A reply is parsed once, as it arrives, into the `Answer` the drain observes and the recorder stores.
+
 One asyncio loop per drain task keeps many requests in flight without one broker message
 per request. Results are committed in small groups; a claim whose holder dies is reclaimed
 by the scheduler after its heartbeat lapses, so nothing is lost and nothing is written twice.
