@@ -12,8 +12,9 @@ from backfill.jobs.billing import current_price_version
 from backfill.jobs.errors import Conflict, InvalidRequest, NotFound
 from backfill.jobs.files import get_file, validate_expiry
 from backfill.jobs.models import Batch, BatchStatus, utcnow
+from backfill.jobs.windows import check_window
 
-BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/moderations")
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
@@ -56,11 +57,7 @@ def create_batch(
         raise InvalidRequest(
             f"Invalid endpoint {endpoint!r}: backfill supports {', '.join(BATCH_ENDPOINTS)}.", param="endpoint"
         )
-    if completion_window not in windows:
-        raise InvalidRequest(
-            f"Invalid completion_window {completion_window!r}: supported are {', '.join(sorted(windows))}.",
-            param="completion_window",
-        )
+    window_s = check_window(completion_window, windows)
     meta = validate_metadata(metadata)
     output_expiry_s = None
     if output_expires_after is not None:
@@ -89,7 +86,7 @@ def create_batch(
         metadata_=meta,
         output_expires_after_s=output_expiry_s,
         created_at=now,
-        expires_at=now + timedelta(seconds=windows[completion_window]),
+        expires_at=now + timedelta(seconds=window_s),
         price_version=current_price_version(session),  # billed at the prices in force now
     )
     session.add(batch)

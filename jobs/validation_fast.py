@@ -10,9 +10,12 @@ import orjson
 from backfill.jobs.validation_lines import (
     CUSTOM_ID_MAX_CHARS,
     DEFAULT_MAX_OUTPUT_ESTIMATE,
+    INPUT_ENDPOINTS,
     INT32_MAX,
     MAX_BODY_DEPTH,
     MODEL_MAX_CHARS,
+    MODEL_OPTIONAL_ENDPOINTS,
+    NO_OUTPUT_ENDPOINTS,
     FastRequest,
     SeenIds,
 )
@@ -32,8 +35,9 @@ def line_checker(endpoint: str, seen_ids: SeenIds) -> Callable[[bytes, int], Fas
     ids, id_lines = seen_ids.ids, seen_ids.lines
     add_line = id_lines.append
     chat = endpoint == "/v1/chat/completions"
-    embeddings = endpoint == "/v1/embeddings"
-    prompt_key = "input" if endpoint in ("/v1/embeddings", "/v1/responses") else "prompt"
+    no_output = endpoint in NO_OUTPUT_ENDPOINTS
+    model_optional = endpoint in MODEL_OPTIONAL_ENDPOINTS
+    prompt_key = "input" if endpoint in INPUT_ENDPOINTS else "prompt"
     int32_max, id_max, model_max, max_depth = INT32_MAX, CUSTOM_ID_MAX_CHARS, MODEL_MAX_CHARS, MAX_BODY_DEPTH
     default_output = DEFAULT_MAX_OUTPUT_ESTIMATE
 
@@ -43,7 +47,8 @@ def line_checker(endpoint: str, seen_ids: SeenIds) -> Callable[[bytes, int], Fas
             # Missing keys and a line or body that is no object raise: check_line says which.
             custom_id = obj["custom_id"]
             body = obj["body"]
-            model = body["model"]
+            # Absent where the endpoint allows it (None): the fleet's default model.
+            model = body["model"] if not model_optional or "model" in body else None
             if (
                 obj["method"] != "POST"
                 or obj["url"] != endpoint
@@ -53,10 +58,8 @@ def line_checker(endpoint: str, seen_ids: SeenIds) -> Callable[[bytes, int], Fas
                 or "\x00" in custom_id
                 or custom_id in ids
                 or type(body) is not dict
-                or type(model) is not str
-                or not model
-                or len(model) > model_max
-                or "\x00" in model
+                or (type(model) is not str and (model is not None or not model_optional))
+                or (model is not None and (not model or len(model) > model_max or "\x00" in model))
             ):
                 return None
         except (ValueError, KeyError, TypeError):  # (orjson.JSONDecodeError is a ValueError)
@@ -115,7 +118,7 @@ def line_checker(endpoint: str, seen_ids: SeenIds) -> Callable[[bytes, int], Fas
                     prompt = dumps(value).decode()
                 except encode_error:  # (nested too deep: check_line refuses the line)
                     return None
-        if embeddings:
+        if no_output:
             output = 0
         else:  # max_output_tokens, of the counts checked above: the first output limit, times n
             limit = completion or tokens or output_tokens or default_output

@@ -26,6 +26,12 @@ QUOTE_CHARS = 100
 DEFAULT_MAX_OUTPUT_ESTIMATE = 1024
 # orjson re-encodes at most this many levels, and the dispatcher re-encodes every body it sends.
 MAX_BODY_DEPTH = 254
+# What an endpoint's body holds, where the endpoints differ: the prompt is `input` (else
+# `prompt`, or chat's `messages`); nothing is generated (the estimate is the input's alone); the
+# model may be left out (the server's default: OpenAI's moderations take one).
+INPUT_ENDPOINTS = ("/v1/embeddings", "/v1/responses", "/v1/moderations")
+NO_OUTPUT_ENDPOINTS = ("/v1/embeddings", "/v1/moderations")
+MODEL_OPTIONAL_ENDPOINTS = ("/v1/moderations",)
 OUTPUT_LIMIT_KEYS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 COUNT_KEYS = (*OUTPUT_LIMIT_KEYS, "n")
 
@@ -69,7 +75,7 @@ class SeenIds:
 @dataclass(slots=True)  # not frozen: a frozen __init__ costs a tenth of a line's checking
 class CheckedRequest:
     custom_id: str
-    model: str
+    model: str | None  # None where the endpoint lets a body leave it out
     prompt: str
     token_estimate: int
     body: dict[str, Any]  # for prompt fingerprints that need the messages, not only their text
@@ -91,8 +97,8 @@ class CheckedRequest:
 
 # What `line_checker` gives for a line it confirmed valid: custom_id, model, prompt (as
 # prompt_text renders it), token estimate, body, output tokens (max_output_tokens, 0 for
-# embeddings) and completions (n, 1 if not given): what check_line's CheckedRequest holds, and n.
-FastRequest = tuple[str, str, str, int, dict[str, Any], int, int]
+# NO_OUTPUT_ENDPOINTS) and completions (n, 1 if not given): what check_line's CheckedRequest holds, and n.
+FastRequest = tuple[str, str | None, str, int, dict[str, Any], int, int]
 
 
 def check_line(
@@ -115,11 +121,11 @@ def check_line(
         return None
     # The body is nested no deeper than the line has brackets: only count levels when it may be too deep.
     deep = line.count(b"{") + line.count(b"[") > MAX_BODY_DEPTH
-    ok = _check_body(body, fail, deep=deep) and ok
+    ok = _check_body(body, fail, deep=deep, model_optional=endpoint in MODEL_OPTIONAL_ENDPOINTS) and ok
     if not ok:
         return None
     prompt = prompt_text(endpoint, body)
-    output = 0 if endpoint == "/v1/embeddings" else max_output_tokens(body)
+    output = 0 if endpoint in NO_OUTPUT_ENDPOINTS else max_output_tokens(body)
     estimate = len(prompt.encode()) // 4 + 1 + output
     if estimate > INT32_MAX:
         fail(
@@ -129,7 +135,7 @@ def check_line(
             next((f"body.{k}" for k in OUTPUT_LIMIT_KEYS if body.get(k) is not None), None),
         )
         return None
-    return CheckedRequest(obj["custom_id"], body["model"], prompt, estimate, body, output)
+    return CheckedRequest(obj["custom_id"], body.get("model"), prompt, estimate, body, output)
 
 
 def _check_envelope(obj: dict[str, Any], *, endpoint: str, seen_ids: SeenIds, fail: ErrorSink, number: int) -> bool:
@@ -166,10 +172,12 @@ def _check_envelope(obj: dict[str, Any], *, endpoint: str, seen_ids: SeenIds, fa
     return ok
 
 
-def _check_body(body: dict[str, Any], fail: ErrorSink, *, deep: bool = True) -> bool:
+def _check_body(body: dict[str, Any], fail: ErrorSink, *, deep: bool = True, model_optional: bool = False) -> bool:
     ok = True
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None and model_optional:
+        pass
+    elif not isinstance(model, str) or not model:
         fail("missing_model", f"'body.model' must name a model, not {_given(body, 'model')}.", "body.model")
         ok = False
     elif len(model) > MODEL_MAX_CHARS or "\x00" in model:
@@ -233,7 +241,7 @@ def prompt_text(endpoint: str, body: dict[str, Any]) -> str:
                 content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
             parts.append(f"<{role if isinstance(role, str) else ''}>{content if isinstance(content, str) else ''}")
         return "".join(parts)
-    key = "input" if endpoint in ("/v1/embeddings", "/v1/responses") else "prompt"
+    key = "input" if endpoint in INPUT_ENDPOINTS else "prompt"
     value = body.get(key)
     if isinstance(value, str):
         return value

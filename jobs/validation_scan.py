@@ -126,7 +126,7 @@ def scan_lines(
             if request is None:
                 continue
             custom_id, model, prompt, estimate, body, output, n = request.values()
-        if model not in models:
+        if model is not None and model not in models:  # (None: the endpoint's default model)
             models[model] = number
         token_estimate += estimate
         path, prompt_tokens = path_of(endpoint, body, prompt)

@@ -134,7 +134,7 @@ def test_bad_batch_requests_name_their_param(api: CheckedClient, team: Team) -> 
     good = {"input_file_id": f["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
     for change, param in (
         ({"input_file_id": None}, "input_file_id"),
-        ({"endpoint": "/v1/moderations"}, "endpoint"),
+        ({"endpoint": "/v1/images/generations"}, "endpoint"),
         ({"completion_window": "3d"}, "completion_window"),
         ({"metadata": {"k": "v" * 513}}, "metadata.k"),
     ):

@@ -52,7 +52,7 @@ def test_404_for_unknown_ids(client, stack) -> None:
     ("body", "param"),
     [
         ({"endpoint": "/v1/chat/completions", "completion_window": "24h"}, "input_file_id"),
-        ({"input_file_id": "F", "endpoint": "/v1/moderations", "completion_window": "24h"}, "endpoint"),
+        ({"input_file_id": "F", "endpoint": "/v1/images/generations", "completion_window": "24h"}, "endpoint"),
         ({"input_file_id": "F", "endpoint": "/v1/chat/completions", "completion_window": "3d"}, "completion_window"),
         (
             {

@@ -66,3 +66,32 @@ def test_too_many_requests_and_long_lines() -> None:
     result = validate_lines([data], endpoint="/v1/chat/completions", served_models=None, limits=limits)
     codes = [(e["line"], e["code"]) for e in result.errors]
     assert (2, "line_too_large") in codes and (3, "too_many_requests") in codes
+
+
+MODERATIONS = "/v1/moderations"
+
+
+def moderation(i: int, **body: object) -> bytes:
+    return json.dumps({"custom_id": f"m{i}", "method": "POST", "url": MODERATIONS, "body": body}).encode()
+
+
+def test_a_moderations_batch_is_accepted_with_or_without_a_model() -> None:
+    """OpenAI's moderations take `input` (a string, or an array) and an optional `model`; nothing
+    is generated, so a line's estimate is its input's alone."""
+    text = "x" * 400
+    lines = [moderation(1, input=text), moderation(2, input=["a", "b"]), moderation(3, input=text, model="m")]
+    result = validate_lines([b"\n".join(lines)], endpoint=MODERATIONS, served_models={"m"}, limits=LIMITS)
+    assert result.errors == [] and result.model == "m" and len(result.requests) == 3
+    estimates = [row["token_estimate"] for row in result.requests]
+    assert estimates == [400 // 4 + 1, len('["a","b"]') // 4 + 1, 400 // 4 + 1]
+
+    unnamed = validate_lines([b"\n".join(lines[:2])], endpoint=MODERATIONS, served_models={"m"}, limits=LIMITS)
+    assert unnamed.errors == [] and unnamed.model is None  # the fleet's default model
+
+
+def test_a_moderations_line_still_meets_the_other_rules() -> None:
+    lines = [moderation(1, input="a", model=""), moderation(2, input="a", model="other"), moderation(3, input="a")]
+    result = validate_lines([b"\n".join(lines)], endpoint=MODERATIONS, served_models={"m"}, limits=LIMITS)
+    assert [(e["line"], e["code"]) for e in result.errors] == [(1, "missing_model"), (2, "model_not_found")]
+    chat = validate_lines([line(1, model=None)], endpoint="/v1/chat/completions", served_models=None, limits=LIMITS)
+    assert [e["code"] for e in chat.errors] == ["missing_model"]  # optional for moderations only

@@ -21,11 +21,18 @@ from backfill.jobs.input_lines import iter_lines_bounded
 from backfill.jobs.prefixes import FINGERPRINT_BYTES, MAX_BLOCKS, TextBlocks
 from backfill.jobs.request_index import INDEX_COLUMNS, RequestIndex
 from backfill.jobs.validation_fast import line_checker
-from backfill.jobs.validation_lines import INT32_MAX, MAX_BODY_DEPTH, SeenIds, check_line, max_output_tokens
+from backfill.jobs.validation_lines import (
+    INT32_MAX,
+    MAX_BODY_DEPTH,
+    NO_OUTPUT_ENDPOINTS,
+    SeenIds,
+    check_line,
+    max_output_tokens,
+)
 from backfill.jobs.validation_scan import Limits, LineScan, scan_lines
 
 CHAT = "/v1/chat/completions"
-ENDPOINTS = [CHAT, "/v1/embeddings", "/v1/completions", "/v1/responses", "/v1/other"]
+ENDPOINTS = [CHAT, "/v1/embeddings", "/v1/completions", "/v1/responses", "/v1/moderations", "/v1/other"]
 PROPERTY = settings(max_examples=600, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 SCANS = settings(PROPERTY, max_examples=150)
 
@@ -200,7 +207,7 @@ def test_the_fast_path_gives_the_full_paths_verdict_and_values(
     assert errors == []
     assert fast == full
     assert all(type(a) is type(b) for a, b in zip(fast, full, strict=True))
-    assert fast[5] == (0 if endpoint == "/v1/embeddings" else max_output_tokens(fast[4]))
+    assert fast[5] == (0 if endpoint in NO_OUTPUT_ENDPOINTS else max_output_tokens(fast[4]))
     assert list(fast_seen.ids) == list(full_seen.ids) and fast_seen.lines == full_seen.lines
 
 
