@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Generic, Literal, Self, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from backfill.jobs.models import BatchStatus
 
@@ -137,7 +137,9 @@ class Batch(BaseModel):
     model: str | None = None
     errors: BatchErrors | None = None
     input_file_id: str
-    completion_window: str
+    # The window as the client sent it: one of the configured set (BACKFILL_COMPLETION_WINDOWS),
+    # which OpenAI's schema, knowing only "24h", types as any string here.
+    completion_window: str = Field(description="The window the batch was created with, as sent.")
     status: BatchStatus
     output_file_id: str | None = None
     error_file_id: str | None = None
@@ -331,6 +333,31 @@ class BatchCost(BaseModel):
     input_tokens: int
     cached_tokens: int
     output_tokens: int
+
+
+class BatchWindowPrice(BaseModel):
+    """What a batch of `model` created now in one completion window is billed at, per million
+    tokens: the window's own price, or the model's general price times the window's multiplier.
+    Amounts are exact decimal strings in currency units, as prices are."""
+
+    object: Literal["batch.window_price"]
+    completion_window: str
+    window_seconds: int  # a batch created now expires this long after its creation
+    model: str
+    price_id: int  # the price row in force (what the batch's usage records)
+    priced_by: Literal["window", "general"]  # the window's own row, or the model's general one
+    multiplier: str  # applied to the row's rates: "1" for the window's own row
+    currency: str
+    unit: Literal["1M tokens"]
+    input: str
+    cached_input: str
+    output: str
+    batch_discount_percent: int
+
+
+class BatchWindowPriceList(BaseModel):
+    object: Literal["list"]
+    data: list[BatchWindowPrice]  # every accepted window with a price in force, shortest first
 
 
 class BatchThroughput(BaseModel):

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Annotated, Any, ParamSpec, TypeVar
 
 import typer
 
+from backfill.prices_windows import prices_windows
+
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
@@ -240,7 +242,8 @@ def prices_set(
     output: Annotated[str, typer.Option("--output", help="Output price per million tokens.")],
     discount: Annotated[int, typer.Option("--discount", min=0, max=100, help="Batch discount, percent.")] = 50,
     window: Annotated[
-        str | None, typer.Option("--window", help="Only for this completion window (e.g. 7d); default all.")
+        str | None,
+        typer.Option("--window", help="Only for this completion window (e.g. 7d); default all, at their multipliers."),
     ] = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -279,6 +282,9 @@ def prices_list(
     with _session() as session:
         rows = [_price_row(p) for p in list_prices(session, model=model)]
     _emit(rows, as_json=as_json, title="prices per million tokens", columns=PRICE_COLUMNS)
+
+
+prices_app.command("windows")(prices_windows)
 
 
 @quotas_app.command("set")

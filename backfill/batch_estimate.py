@@ -4,7 +4,8 @@
 Limits are the server's defaults (the API publishes no limits route), so a server configured
 with smaller ones can still refuse a file this passes. The cost is at the price a batch created
 now would be billed at (`GET /v1/batch_price`), an upper bound (every request's output at its
-max tokens); the completion forecast is at the fleet's recent batch throughput with the work
+max tokens), for the window asked about and for every window the server accepts
+(`GET /v1/batch_prices`: shorter windows cost more); the completion forecast is at the fleet's recent batch throughput with the work
 queued ahead (`GET /v1/batch_throughput`). Both extension routes take any team key.
 """
 
@@ -25,6 +26,8 @@ from backfill.storage.settings import Settings
 if TYPE_CHECKING:
     import openai
 
+    from backfill.jobs.billing import Rates
+
 CHUNK_BYTES = 1 << 20
 
 
@@ -40,6 +43,9 @@ class Estimate:
     currency: str | None = None
     price_id: int | None = None  # the price the cost is at
     cost_note: str | None = None  # why there is no cost, when there is none
+    # The same upper bound in each accepted window (`batch.window_price` fields and the amount).
+    window_costs: list[dict[str, Any]] | None = None
+    window_costs_note: str | None = None  # why there is no table, when there is none
     throughput: dict[str, Any] | None = None  # the server's `batch.throughput`, as published
     forecast: datetime | None = None  # when the file would be done
     forecast_seconds: float | None = None
@@ -58,6 +64,8 @@ class Estimate:
                 else None
             ),
             "cost_note": self.cost_note,
+            "costs_per_window": self.window_costs,
+            "costs_per_window_note": self.window_costs_note,
             "throughput": self.throughput,
             "completion_forecast": (
                 {"at": self.forecast.isoformat(), "in_seconds": round(self.forecast_seconds, 3)}
@@ -129,30 +137,60 @@ def _extension(client: openai.OpenAI, path: str, params: dict[str, str | int]) -
     return (body, "") if isinstance(body, dict) else (None, f"{path} answered {type(body).__name__}, not an object")
 
 
-def add_cost(estimate: Estimate, client: openai.OpenAI, *, window: str) -> None:
-    """Price the estimate at the price a batch created now would be billed at (`GET /batch_price`,
-    readable with any key), with the server's own arithmetic (`jobs.billing.price_request`)."""
+def _rates(price: dict[str, Any]) -> Rates:
     from backfill.jobs import billing
 
-    if estimate.model is None:
-        estimate.cost_note = "no model to price"
-        return
-    price, why = _extension(client, "/batch_price", {"model": estimate.model, "completion_window": window})
-    if price is None:
-        estimate.cost_note = why
-        return
-    rates = billing.Rates(
+    return billing.Rates(
         input=billing.parse_money(price["input"], param="input"),
         cached_input=billing.parse_money(price["cached_input"], param="cached_input"),
         output=billing.parse_money(price["output"], param="output"),
         discount_percent=price["batch_discount_percent"],
     )
+
+
+def _upper_bound(estimate: Estimate, price: dict[str, Any]) -> str:
+    """The file's cost at `price` with every output at its max tokens, by the server's arithmetic."""
+    from backfill.jobs import billing
+
     cost = billing.price_request(
-        rates, prompt_tokens=estimate.prompt_tokens, cached_tokens=0, completion_tokens=estimate.max_output_tokens
+        _rates(price),
+        prompt_tokens=estimate.prompt_tokens,
+        cached_tokens=0,
+        completion_tokens=estimate.max_output_tokens,
     )
-    estimate.cost = billing.format_micros(cost.total_micros)
-    estimate.currency = price.get("currency")
-    estimate.price_id = price.get("id")
+    return billing.format_micros(cost.total_micros)
+
+
+def add_cost(estimate: Estimate, client: openai.OpenAI, *, window: str) -> None:
+    """Price the estimate at the price a batch created now would be billed at (`GET /batch_price`,
+    readable with any key), with the server's own arithmetic (`jobs.billing.price_request`); then
+    the same in every window the server accepts (`GET /batch_prices`)."""
+    if estimate.model is None:
+        estimate.cost_note = estimate.window_costs_note = "no model to price"
+        return
+    price, why = _extension(client, "/batch_price", {"model": estimate.model, "completion_window": window})
+    if price is None:
+        estimate.cost_note = why
+    else:
+        estimate.cost = _upper_bound(estimate, price)
+        estimate.currency = price.get("currency")
+        estimate.price_id = price.get("id")
+    table, why = _extension(client, "/batch_prices", {"model": estimate.model})
+    if table is None:
+        estimate.window_costs_note = why
+        return
+    estimate.window_costs = [
+        {
+            "completion_window": row["completion_window"],
+            "window_seconds": row["window_seconds"],
+            "amount": _upper_bound(estimate, row),
+            "currency": row["currency"],
+            "price_id": row["price_id"],
+            "priced_by": row["priced_by"],
+            "multiplier": row["multiplier"],
+        }
+        for row in table["data"]
+    ]
 
 
 def add_forecast(estimate: Estimate, client: openai.OpenAI) -> None:
@@ -207,6 +245,17 @@ def _forecast_text(estimate: Estimate) -> str:
     )
 
 
+def _window_cost_lines(estimate: Estimate) -> list[str]:
+    if estimate.window_costs is None:
+        return [f"cost per window   : - ({estimate.window_costs_note})"]
+    width = max((len(row["completion_window"]) for row in estimate.window_costs), default=0)
+    lines = ["cost per window   :"]
+    for row in estimate.window_costs:
+        how = "its own price" if row["priced_by"] == "window" else f"general price x {row['multiplier']}"
+        lines.append(f"  {row['completion_window']:<{width}}  at most {row['amount']} {row['currency']} ({how})")
+    return lines
+
+
 def report_lines(estimate: Estimate) -> list[str]:
     lines = [
         f"lines             : {estimate.lines} ({estimate.requests} valid)",
@@ -214,6 +263,7 @@ def report_lines(estimate: Estimate) -> list[str]:
         f"prompt tokens     : ~{estimate.prompt_tokens:,} (estimated)",
         f"max output tokens : {estimate.max_output_tokens:,}",
         f"cost              : {_cost_text(estimate)}",
+        *_window_cost_lines(estimate),
         f"completion        : {_forecast_text(estimate)}",
     ]
     if estimate.errors:

@@ -3,6 +3,8 @@
 A batch is billed at the prices in force when it was created: `create_batch` stores the price
 list's version (the newest price row id) on the batch, and a request is priced with the newest
 row for its model that is no newer than that version and already effective at creation time.
+A completion window's own row wins over the model's general one; a window priced by the general
+row pays its rates times the window's multiplier (`window_rates`, BACKFILL_WINDOW_PRICE_MULTIPLIERS).
 
 The ledger entry is written by `record_usage`, which `jobs.results.record_outcomes` calls inside
 the transaction that stores the request's result under a compare-and-set; the unique
@@ -14,7 +16,7 @@ Prometheus counters when that transaction commits.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal, InvalidOperation
@@ -28,6 +30,7 @@ from backfill.jobs.errors import InvalidRequest
 from backfill.jobs.metrics import count_usage_on_commit
 from backfill.jobs.models import Batch, utcnow
 from backfill.jobs.replies import Outcome, Usage
+from backfill.storage.settings import get_settings
 
 log = logging.getLogger("backfill.billing")
 
@@ -112,6 +115,38 @@ def rates_of(price: Price) -> Rates:
     )
 
 
+def scale_micros(micros: int, multiplier: Decimal) -> int:
+    """micros x multiplier to the nearest micro, exact halves up (as `component_cost` rounds)."""
+    scaled = Decimal(micros) * multiplier
+    whole = int(scaled)  # exact: Decimal to int truncates toward zero, and scaled >= 0
+    return whole + (1 if scaled - whole >= Decimal("0.5") else 0)
+
+
+def window_multiplier(price: Price, completion_window: str, multipliers: Mapping[str, Decimal]) -> Decimal:
+    """1 for a window's own price row; for the general row (no window), the window's multiplier
+    (`BACKFILL_WINDOW_PRICE_MULTIPLIERS`), 1 when it has none."""
+    if price.completion_window is not None:
+        return Decimal(1)
+    return multipliers.get(completion_window, Decimal(1))
+
+
+def window_rates(price: Price, completion_window: str, multipliers: Mapping[str, Decimal]) -> Rates:
+    """What a request of a batch in `completion_window` is billed at, from the price in force for
+    it: the row's rates times the window's multiplier, each rounded to the micro once; the batch
+    discount is the row's. The multipliers are read when a result is recorded, not stored with
+    the batch: a window's own row (`set_price(completion_window=...)`) is what freezes its price."""
+    rates = rates_of(price)
+    multiplier = window_multiplier(price, completion_window, multipliers)
+    if multiplier == 1:
+        return rates
+    return Rates(
+        input=scale_micros(rates.input, multiplier),
+        cached_input=scale_micros(rates.cached_input, multiplier),
+        output=scale_micros(rates.output, multiplier),
+        discount_percent=rates.discount_percent,
+    )
+
+
 def set_price(
     session: Session,
     *,
@@ -179,22 +214,24 @@ def price_in_force(
     ).scalar_one_or_none()
 
 
-def _batch_price(session: Session, batch: Batch) -> Price | None:
+def _batch_price(session: Session, batch: Batch) -> tuple[Price, Rates] | None:
     # Price rows are append-only and the batch's version is fixed, so one lookup per batch
     # per transaction is enough (the dispatcher records results in groups of up to 200).
-    cache: dict[str, Price | None] = session.info.setdefault("billing_price_of_batch", {})
+    cache: dict[str, tuple[Price, Rates] | None] = session.info.setdefault("billing_price_of_batch", {})
     if batch.id not in cache:
-        cache[batch.id] = price_in_force(
+        price = price_in_force(
             session,
             model=batch.model or "",
             completion_window=batch.completion_window,
             at=batch.created_at,
             version=batch.price_version,
         )
-        if cache[batch.id] is None:
+        if price is None:
             log.warning(
                 "no price in force for model %r (batch %s): usage is recorded at zero cost", batch.model, batch.id
             )
+        multipliers = get_settings().price_multipliers
+        cache[batch.id] = (price, window_rates(price, batch.completion_window, multipliers)) if price else None
     return cache[batch.id]
 
 
@@ -216,8 +253,8 @@ def _insert_ignoring_duplicates(session: Session, rows: list[dict[str, Any]]) ->
 def record_usage(session: Session, batch: Batch, results: Sequence[tuple[int, Outcome]]) -> None:
     """Ledger entries for executed requests, one per line. Failed requests (4xx, retries
     exhausted) cost nothing; cancelled and expired lines never reach `record_outcomes`."""
-    price = _batch_price(session, batch)
-    rates = rates_of(price) if price is not None else None
+    priced = _batch_price(session, batch)
+    price, rates = priced if priced is not None else (None, None)
     now = utcnow()
     rows = []
     billed: list[tuple[Usage, Cost]] = []

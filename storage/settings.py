@@ -6,12 +6,16 @@ that needs no server and the simulated fleet. Production sets the URLs explicitl
 
 from __future__ import annotations
 
+from decimal import Decimal
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from backfill.storage.windows import parse_duration as parse_duration  # re-exported: callers read it here
+from backfill.storage.windows import parse_multipliers, parse_windows
 
 # State of the embedded mode (database, objects, broker folders, the simulated fleet, logs):
 # under the user's home, never the working directory.
@@ -69,8 +73,11 @@ class Settings(BaseSettings):
     max_reported_errors: int = 100
     # Processes that validate one large input file (past 32 MB) together; 0: one per CPU, up to 8.
     validation_processes: int = 0
-    # Extra completion windows besides OpenAI's 24h, e.g. "1h,7d" (units s, m, h, d).
-    completion_windows: str = "24h"
+    # The completion windows a batch may ask for (units s, m, h, d); OpenAI's 24h is always in.
+    completion_windows: str = "1h,4h,24h,72h,7d"
+    # What a window costs against a model's general price when it has no price of its own
+    # (`prices set --window`): its rates times this; a window not listed costs 1x.
+    window_price_multipliers: str = "1h=2.0,4h=1.5,24h=1.0,72h=0.8,7d=0.6"
     file_expiry_default_s: int = 30 * 24 * 3600
 
     # Fixed admission bound, used until the capacity controller publishes a limit.
@@ -197,14 +204,26 @@ class Settings(BaseSettings):
         origins = {u.removesuffix("/v1") for u in self.fleet_url_list}
         return ";".join(f"frontend={o}/metrics" for o in sorted(origins))
 
+    @field_validator("completion_windows")
+    @classmethod
+    def _windows_parse(cls, v: str) -> str:
+        parse_windows(v)  # a malformed set stops start-up
+        return v
+
+    @field_validator("window_price_multipliers")
+    @classmethod
+    def _multipliers_parse(cls, v: str) -> str:
+        parse_multipliers(v)
+        return v
+
     @property
     def completion_window_seconds(self) -> dict[str, int]:
-        windows = {"24h": 24 * 3600}
-        for raw in self.completion_windows.split(","):
-            raw = raw.strip()
-            if raw:
-                windows[raw] = parse_duration(raw)
-        return windows
+        """The accepted windows and their lengths, shortest first."""
+        return parse_windows(self.completion_windows)
+
+    @property
+    def price_multipliers(self) -> dict[str, Decimal]:
+        return parse_multipliers(self.window_price_multipliers)
 
     def check_production(self) -> None:
         """Refuse well-known development secrets outside development."""
@@ -213,16 +232,6 @@ class Settings(BaseSettings):
                 value = getattr(self, name)
                 if value and (value.startswith("sk-dev") or len(value) < 20):
                     raise ValueError(f"BACKFILL_{name.upper()} is a development secret")
-
-
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_duration(text: str) -> int:
-    unit = text[-1:]
-    if unit not in _UNITS or not text[:-1].isdigit() or int(text[:-1]) <= 0:
-        raise ValueError(f"bad duration {text!r}: use a positive integer and one of s, m, h, d")
-    return int(text[:-1]) * _UNITS[unit]
 
 
 @lru_cache

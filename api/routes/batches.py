@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from backfill.api.deps import CurrentPrincipal, DbSession
 from backfill.api.errors import COMMON_ERRORS, error_responses
@@ -20,11 +20,22 @@ log = logging.getLogger("backfill.api")
 router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=error_responses(*COMMON_ERRORS))
 
 
+def _accepted_windows(schema: dict[str, Any]) -> None:
+    # The document lists the configured set (read when it is generated, at the app's first
+    # /openapi.json); the value stays a plain string to the parser, so that an unknown window is
+    # refused by `jobs.windows.check_window` with OpenAI's 400, not by the schema with a 422.
+    schema["enum"] = list(get_settings().completion_window_seconds)
+
+
 class CreateBatchBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
     input_file_id: str
     endpoint: str
-    completion_window: str
+    completion_window: str = Field(
+        description="How soon the batch must finish: one of the configured windows (BACKFILL_COMPLETION_WINDOWS; "
+        "OpenAI's 24h always). The batch expires this long after its creation; shorter windows cost more.",
+        json_schema_extra=_accepted_windows,
+    )
     # Checked by the service, so that a bad value gets its OpenAI error (param "metadata.k", ...).
     metadata: dict[str, object] | None = None
     output_expires_after: dict[str, object] | None = None

@@ -3,7 +3,9 @@
 - `GET /v1/batches/{batch_id}/cost`: what the batch has cost so far (the usage ledger), scoped to
   the caller's team like the Batches routes (another team's batch answers their 404).
 - `GET /v1/batch_price?model=&completion_window=`: the price a batch created now would be billed
-  at (`jobs.billing.price_in_force` at the current price version), as the organization's price object.
+  at (`jobs.windows.window_price` at the current price version), as the organization's price object.
+- `GET /v1/batch_prices?model=`: the same for every accepted completion window, each saying whether
+  the window has a price of its own or pays the general price times its multiplier.
 - `GET /v1/batch_throughput`: the fleet's batch throughput over a recent window and the work
   queued in in-progress batches, summed over every team; the CLI forecasts completion from it.
 
@@ -19,12 +21,12 @@ from fastapi import APIRouter, Query
 from backfill.api.deps import CurrentPrincipal, DbSession
 from backfill.api.errors import COMMON_ERRORS, error_responses
 from backfill.api.org_wire import price_out
-from backfill.api.protocol import BatchCost, BatchThroughput, Price
+from backfill.api.protocol import BatchCost, BatchThroughput, BatchWindowPrice, BatchWindowPriceList, Price
 from backfill.api.wire import batch_id_in, batch_id_out, ts
 from backfill.jobs import batches as batch_service
-from backfill.jobs import forecast
+from backfill.jobs import forecast, windows
 from backfill.jobs.billing import CURRENCY, format_micros
-from backfill.jobs.errors import InvalidRequest, NotFound
+from backfill.jobs.errors import NotFound
 from backfill.storage.settings import get_settings
 
 router = APIRouter(prefix="/v1", tags=["batches"], responses=error_responses(*COMMON_ERRORS))
@@ -54,6 +56,11 @@ def batch_cost(batch_id: str, principal: CurrentPrincipal, session: DbSession) -
     )
 
 
+def _no_price(model: str, window: str | None = None) -> NotFound:
+    which = f"model {model!r} and completion window {window!r}" if window else f"model {model!r} in any window"
+    return NotFound(f"No price is in force for {which}.", param="model", code="price_not_found")
+
+
 @router.get("/batch_price")
 def batch_price(
     _: CurrentPrincipal,
@@ -62,22 +69,64 @@ def batch_price(
     completion_window: str = "24h",
 ) -> Price:
     """The price a batch of `model` created now with `completion_window` would be billed at: the
-    window's own price if one is set, else the general one. 404 (`price_not_found`) when none is
-    in force: such a batch's usage would be recorded at zero cost."""
-    windows = get_settings().completion_window_seconds
-    if completion_window not in windows:
-        raise InvalidRequest(
-            f"Invalid completion_window {completion_window!r}: supported are {', '.join(sorted(windows))}.",
-            param="completion_window",
-        )
-    price = forecast.price_now(session, model=model, completion_window=completion_window)
-    if price is None:
-        raise NotFound(
-            f"No price is in force for model {model!r} and completion window {completion_window!r}.",
-            param="model",
-            code="price_not_found",
-        )
-    return price_out(price)
+    window's own price if one is set, else the general one times the window's multiplier (the
+    object then carries the general row's id and null window, with the multiplied amounts). 404
+    (`price_not_found`) when none is in force: such a batch's usage would be recorded at zero cost."""
+    settings = get_settings()
+    seconds = windows.check_window(completion_window, settings.completion_window_seconds)
+    priced = windows.window_price(
+        session,
+        model=model,
+        completion_window=completion_window,
+        seconds=seconds,
+        multipliers=settings.price_multipliers,
+    )
+    if priced is None:
+        raise _no_price(model, completion_window)
+    rates = priced.rates
+    return price_out(priced.price).model_copy(
+        update={
+            "input": format_micros(rates.input),
+            "cached_input": format_micros(rates.cached_input),
+            "output": format_micros(rates.output),
+        }
+    )
+
+
+@router.get("/batch_prices")
+def batch_prices(
+    _: CurrentPrincipal, session: DbSession, model: Annotated[str, _model_query()]
+) -> BatchWindowPriceList:
+    """What a batch of `model` created now is billed at in each accepted completion window
+    (shortest first; a window without a price in force is left out). 404 (`price_not_found`)
+    when no window has one."""
+    settings = get_settings()
+    table = windows.window_prices(
+        session, model=model, windows=settings.completion_window_seconds, multipliers=settings.price_multipliers
+    )
+    if not table:
+        raise _no_price(model)
+    return BatchWindowPriceList(
+        object="list",
+        data=[
+            BatchWindowPrice(
+                object="batch.window_price",
+                completion_window=row.completion_window,
+                window_seconds=row.seconds,
+                model=model,
+                price_id=row.price.id,
+                priced_by=row.priced_by,
+                multiplier=str(row.multiplier),
+                currency=CURRENCY,
+                unit="1M tokens",
+                input=format_micros(row.rates.input),
+                cached_input=format_micros(row.rates.cached_input),
+                output=format_micros(row.rates.output),
+                batch_discount_percent=row.rates.discount_percent,
+            )
+            for row in table
+        ],
+    )
 
 
 @router.get("/batch_throughput")

@@ -42,14 +42,14 @@ def _input(model: str) -> bytes:
     return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
 
 
-def _running_batch(api: CheckedClient, team: Team, model: str) -> tuple[str, str, int]:
+def _running_batch(api: CheckedClient, team: Team, model: str, window: str = "24h") -> tuple[str, str, int]:
     """A batch validated in-process, every line claimed by TOKEN: (wire id, id, token estimate)."""
     data = _input(model)
     f = upload(api, team, data=data)
     r = api.post(
         "/v1/batches",
         headers=team.headers,
-        json={"input_file_id": f["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+        json={"input_file_id": f["id"], "endpoint": "/v1/chat/completions", "completion_window": window},
     )
     assert r.status_code == 200, r.text
     wire_id = r.json()["id"]

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import random
+from decimal import Decimal
 from fractions import Fraction
 
 import pytest
 
-from backfill.jobs.billing import Rates, component_cost, format_micros, parse_money, price_request
+from backfill.jobs.billing import (
+    Rates,
+    component_cost,
+    format_micros,
+    parse_money,
+    price_request,
+    scale_micros,
+    window_multiplier,
+    window_rates,
+)
+from backfill.jobs.billing_models import Price
 from backfill.jobs.errors import InvalidRequest
 
 
@@ -80,3 +91,42 @@ def test_format_micros_is_exact() -> None:
     assert format_micros(2_500_000) == "2.500000"
     assert format_micros(123_456_789_012) == "123456.789012"
     assert parse_money(format_micros(987_654_321), param="x") == 987_654_321
+
+
+# -- completion windows: a window's own price, or the general one times its multiplier --------
+
+MULTIPLIERS = {"1h": Decimal("2.0"), "4h": Decimal("1.5"), "7d": Decimal("0.6")}
+
+
+def _row(window: str | None = None) -> Price:
+    return Price(
+        model="m",
+        completion_window=window,
+        input_micros_per_million=150_000,
+        cached_input_micros_per_million=75_001,
+        output_micros_per_million=600_000,
+        batch_discount_percent=50,
+    )
+
+
+def test_scaling_rounds_to_the_micro_with_halves_up() -> None:
+    assert scale_micros(75_001, Decimal("1.5")) == 112_502  # 112501.5 -> 112502
+    assert scale_micros(75_001, Decimal("0.6")) == 45_001  # 45000.6 -> 45001
+    assert scale_micros(3, Decimal("0.5")) == 2  # 1.5 -> 2
+    assert scale_micros(1, Decimal("0.4")) == 0
+    assert scale_micros(0, Decimal(2)) == 0
+
+
+def test_the_general_price_is_scaled_per_window() -> None:
+    general = _row()
+    assert window_rates(general, "1h", MULTIPLIERS) == Rates(300_000, 150_002, 1_200_000, 50)
+    assert window_rates(general, "7d", MULTIPLIERS) == Rates(90_000, 45_001, 360_000, 50)
+    # A window with no multiplier pays the general price as it stands.
+    assert window_rates(general, "24h", MULTIPLIERS) == Rates(150_000, 75_001, 600_000, 50)
+    assert window_multiplier(general, "4h", MULTIPLIERS) == Decimal("1.5")
+
+
+def test_a_windows_own_price_is_never_scaled() -> None:
+    own = _row("1h")
+    assert window_rates(own, "1h", MULTIPLIERS) == Rates(150_000, 75_001, 600_000, 50)
+    assert window_multiplier(own, "1h", MULTIPLIERS) == 1
