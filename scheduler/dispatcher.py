@@ -27,6 +27,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 
 import orjson
 from redis.exceptions import RedisError
@@ -35,6 +36,7 @@ from backfill.jobs.claims import ClaimedRequest
 from backfill.scheduler.admission import Admission, Observation, pool_of
 from backfill.scheduler.breaker import BreakerState
 from backfill.scheduler.claiming import claim_lines, read_bodies
+from backfill.scheduler.escalated_release import EscalatedRelease, overflow_request_id
 from backfill.scheduler.fleet import FleetClient, FleetReply
 from backfill.scheduler.leases import LeaseStore
 from backfill.scheduler.metrics import record_fleet_reply
@@ -49,6 +51,7 @@ log = logging.getLogger("backfill.dispatch")
 
 CLAIM_GROUP = 32
 DRAIN_POOL = "drains"
+UNSHEDDABLE = -1  # the shedding key of escalated calls: no controller's shed target aborts them
 
 
 class Dispatcher:
@@ -67,6 +70,7 @@ class Dispatcher:
         db_patience_s: float = 120.0,
         kv_budget_tokens: int | None = None,
         expand_n: bool | None = None,
+        escalation: EscalatedRelease | None = None,
     ) -> None:
         self.store = store
         self.leases = leases
@@ -79,6 +83,7 @@ class Dispatcher:
         # whether n > 1 goes as n requests (True), whole (False) or whole and completed (None).
         self.kv_budget_tokens = kv_budget_tokens
         self.expand_n = expand_n
+        self.escalation = escalation  # escalated lines: beyond the limit, or to overflow
         self.shutdown = shutdown or threading.Event()
         self.grace_s = grace_s
         self.db_patience_s = db_patience_s
@@ -182,6 +187,8 @@ class Dispatcher:
             if not self.recorder.db_ok.is_set():
                 await self.recorder.wait_for_db(until=lambda: time.monotonic() >= deadline or self._stopping())
                 continue
+            if self.escalation is not None:
+                await self._release_escalated()
             try:
                 leases = await self.admission.acquire_spread(
                     CLAIM_GROUP, wait_s=0.5, cancel=self._stopping, room=self._room
@@ -224,23 +231,53 @@ class Dispatcher:
                 continue
             idle_rounds = 0
             await self._give_back(leases[len(claimed) :])
-            try:
-                bodies = await asyncio.to_thread(read_bodies, self.store, claimed)
-            except Exception:
-                log.exception("reading %d claimed lines from the object store failed; requeued", len(claimed))
-                await self._give_back(leases[: len(claimed)])
-                for request in claimed:
-                    await self.recorder.put(Done(request, None))
+            if not await self._launch(claimed, leases):
                 await asyncio.sleep(1.0)
-                continue
-            for request, (lease, deployment) in zip(claimed, leases, strict=False):
-                self._held[lease] = pool_of(deployment)
-                self._on[deployment] += 1
-                task = asyncio.create_task(
-                    self._send(request, lease, deployment, bodies[(request.batch_id, request.line)])
-                )
-                self._inflight.add(task)
-                task.add_done_callback(self._inflight.discard)
+
+    async def _launch(
+        self, claimed: list[ClaimedRequest], leases: list[tuple[str, int]], *, escalated: bool = False
+    ) -> bool:
+        """Read the claimed lines' bodies and send each under its lease; False (the lines
+        requeued, their leases given back) when the object store failed the read."""
+        try:
+            bodies = await asyncio.to_thread(read_bodies, self.store, claimed)
+        except Exception:
+            log.exception("reading %d claimed lines from the object store failed; requeued", len(claimed))
+            await self._give_back(leases[: len(claimed)])
+            for request in claimed:
+                await self.recorder.put(Done(request, None))
+            return False
+        for request, (lease, deployment) in zip(claimed, leases, strict=False):
+            self._held[lease] = pool_of(deployment)
+            self._on[deployment] += 1
+            task = asyncio.create_task(
+                self._send(request, lease, deployment, bodies[(request.batch_id, request.line)], escalated=escalated)
+            )
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
+        return True
+
+    async def _release_escalated(self) -> None:
+        """Lines of escalated batches (`scheduler.escalation`): beyond the controller's limit, or
+        on the overflow deployments; sent as any other line."""
+        assert self.escalation is not None
+        try:
+            states = await self.fleet.states()
+        except (RedisError, OSError):
+            return  # the breakers cannot be read: escalated lines wait for the next round
+        try:
+            taken = await self.escalation.take(CLAIM_GROUP, holder=self.holder, states=states, held=dict(self._on))
+        except RedisError:
+            self._lease_store_down("taking escalated leases")
+            return
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            self._claim_in_doubt = True
+            self.recorder.unreachable(exc)
+            return
+        if taken:
+            await self._launch([r for r, _, _ in taken], [(lease, d) for _, lease, d in taken], escalated=True)
 
     async def _finish_inflight(self) -> None:
         """Wait for the requests in flight; once stopping, only until shortly before the grace
@@ -285,7 +322,9 @@ class Dispatcher:
             log.info("lease store reachable again after %.1f s", time.monotonic() - self._leases_down_since)
             self._leases_down_since = None
 
-    async def _send(self, request: ClaimedRequest, lease: str, deployment: int, raw: bytes) -> None:
+    async def _send(
+        self, request: ClaimedRequest, lease: str, deployment: int, raw: bytes, *, escalated: bool = False
+    ) -> None:
         answer: Answer | None = None  # None: aborted, the line goes back to pending
         call: asyncio.Task[FleetReply] | None = None
         try:
@@ -298,10 +337,15 @@ class Dispatcher:
                 call = asyncio.create_task(
                     post_request(self.fleet, request.endpoint, body, expand_n=self.expand_n, deployment=deployment)
                 )
-                self._calls.add(call, deployment)
+                self._calls.add(call, UNSHEDDABLE if escalated else deployment)
                 reply = await call
                 self.sent += 1
                 answer = Answer.of(reply)  # parsed here, once: observed now, recorded as it is
+                if deployment >= self.admission.deployments:  # the output shows where it ran
+                    answer = replace(
+                        answer,
+                        outcome=replace(answer.outcome, request_id=overflow_request_id(answer.outcome.request_id)),
+                    )
                 self._observe(reply, answer, deployment)
                 record_fleet_reply(reply)
         except asyncio.CancelledError:
@@ -325,6 +369,8 @@ class Dispatcher:
         await self.recorder.put(Done(request, answer))
 
     def _observe(self, reply: FleetReply, answer: Answer, deployment: int) -> None:
+        if deployment >= self.admission.deployments:
+            return  # an overflow deployment: no controller steers it, its breaker guards it
         usage = answer.outcome.usage if reply.status_code == 200 else None
         self.admission.observe(
             Observation(

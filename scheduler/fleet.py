@@ -66,14 +66,25 @@ class FleetClient:
         breaker_policy: BreakerPolicy | None = None,
         body_idle_timeout_s: float = 30.0,
         open_wait_s: float = 15.0,
+        overflow_urls: list[str] | None = None,
+        overflow_api_key: str = "",
     ) -> None:
         """`timeout_s` bounds a whole exchange (a long generation may take minutes before its
         first byte); once the headers are in, the body must keep flowing: a read that brings
         nothing for `body_idle_timeout_s` ends the exchange as a stalled reply.
-        With `redis_url` the breakers are shared by every worker; without, they live in this process."""
+        With `redis_url` the breakers are shared by every worker; without, they live in this process.
+        `overflow_urls` (`BACKFILL_OVERFLOW_URLS`) are deployments after the fleet's, each with a
+        breaker of its own, reached only when asked for by index (escalated lines, never by turn)."""
         if not urls:
             raise ValueError("no fleet URL configured (BACKFILL_FLEET_URLS)")
-        self._urls = urls
+        self.fleet_deployments = len(urls)
+        self._urls = [*urls, *(overflow_urls or [])]
+        # The overflow's own key, if it has one (a serverless pool, another provider).
+        self._auth = {
+            i: {"Authorization": f"Bearer {overflow_api_key}"}
+            for i in range(len(urls), len(self._urls))
+            if overflow_api_key
+        }
         self._turn = itertools.count()
         self._timeout_s = timeout_s
         self._body_idle_s = min(body_idle_timeout_s, timeout_s)
@@ -88,7 +99,7 @@ class FleetClient:
         )
         self.breakers: list[Breaker] = [
             SharedBreaker(self._redis, url, policy) if self._redis is not None else local_breaker(url, policy)
-            for url in urls
+            for url in self._urls
         ]
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(
@@ -113,7 +124,9 @@ class FleetClient:
         started = time.monotonic()
         give_up_at = started + self._open_wait_s
         # Deployments that refused this request's connection (or that it may not go to).
-        refused: set[int] = set() if deployment is None else set(range(len(self._urls))) - {deployment}
+        # Overflow deployments take only the calls sent to them by index.
+        everyone = set(range(len(self._urls)))
+        refused = everyone - set(range(self.fleet_deployments)) if deployment is None else everyone - {deployment}
         last: FleetReply | None = None
         while True:
             picked, wait_s = await self._pick(skip=refused)
@@ -128,7 +141,7 @@ class FleetClient:
                 await asyncio.sleep(max(0.05, min(wait_s, left, 1.0)) * random.uniform(1.0, 1.3))
                 continue
             i, permit = picked
-            reply, connected = await self._exchange(self._urls[i], path, payload)
+            reply, connected = await self._exchange(self._urls[i], path, payload, self._auth.get(i))
             await self._report(i, permit, reply)
             if connected or deployment is not None:
                 return reply
@@ -158,11 +171,13 @@ class FleetClient:
         elif changed is BreakerState.closed:
             log.info("fleet deployment %s: circuit closed, the probe succeeded", self._urls[i])
 
-    async def _exchange(self, base: str, path: str, payload: bytes) -> tuple[FleetReply, bool]:
+    async def _exchange(
+        self, base: str, path: str, payload: bytes, auth: dict[str, str] | None = None
+    ) -> tuple[FleetReply, bool]:
         """One POST to one deployment; the flag says whether a connection was made at all."""
         started = time.monotonic()
         request = self._client.build_request(
-            "POST", base + path, content=payload, headers={"Content-Type": "application/json"}
+            "POST", base + path, content=payload, headers={"Content-Type": "application/json", **(auth or {})}
         )
         try:
             async with asyncio.timeout(self._timeout_s):

@@ -12,6 +12,8 @@ from backfill.jobs.sweeps import PendingBatch, pending_batches
 from backfill.jobs.teams import team_weights
 from backfill.scheduler.admission import Admission
 from backfill.scheduler.capacity import CapacityLoop, ControlConfig, Controller, FleetCapacityLoop, Slo
+from backfill.scheduler.escalated_release import EscalatedRelease, EscalationLimits
+from backfill.scheduler.escalation import Escalation, EscalationConfig, Escalator, escalated_plan
 from backfill.scheduler.leases import LeaseStore, get_lease_store
 from backfill.scheduler.policy import FairPlanner, PolicyConfig
 from backfill.scheduler.telemetry import Endpoint, FleetTelemetry, KvModel, parse_endpoints
@@ -32,29 +34,57 @@ def get_admission() -> Admission:
     )
 
 
-def make_planner(refresh_s: float = 0.5, admission: Admission | None = None) -> Callable[[int], list[tuple[str, int]]]:
+class Planner:
     """The dispatch policy over a briefly cached view of the batches with work left (their
     counters, their teams' weights, the fleet's batch throughput), so a release decision costs
-    no scan of the pending lines."""
-    admission = admission or get_admission()
-    planner = FairPlanner(PolicyConfig(guaranteed_share=get_settings().deadline_guaranteed_share))
-    cache: dict[str, tuple[float, list[PendingBatch], dict[str, float], float | None]] = {}
-    local_rate = rate_meter(admission)
+    no scan of the pending lines. Calling it plans ordinary releases; `relaxed` and `overflow`
+    plan the escalated ones (`scheduler.escalation`) from the same view."""
 
-    def refresh() -> tuple[list[PendingBatch], dict[str, float], float | None]:
-        with unit_of_work() as session:
-            pending = pending_batches(session)
-            weights = team_weights(session, team_ids={b.team_id for b in pending})
-        return pending, weights, admission.batch_rate() or local_rate()
+    def __init__(self, admission: Admission, refresh_s: float = 0.5, escalator: Escalator | None = None) -> None:
+        s = get_settings()
+        self.admission = admission
+        self.refresh_s = refresh_s
+        self.fair = FairPlanner(PolicyConfig(guaranteed_share=s.deadline_guaranteed_share))
+        self.escalator = escalator or Escalator(escalation_config(s))
+        self.escalations: dict[str, Escalation] = {}
+        self._local_rate = rate_meter(admission)
+        self._at: float | None = None
+        self._view: tuple[list[PendingBatch], dict[str, float], float | None] = ([], {}, None)
 
-    def plan(slots: int) -> list[tuple[str, int]]:
+    def _refresh(self) -> tuple[list[PendingBatch], dict[str, float], float | None]:
         now = time.monotonic()
-        if "v" not in cache or now - cache["v"][0] > refresh_s:
-            cache["v"] = (now, *refresh())
-        _, pending, weights, rate = cache["v"]
-        return planner.plan(pending, slots, now=utcnow(), weights=weights, rate_tokens_s=rate)
+        if self._at is None or now - self._at > self.refresh_s:
+            with unit_of_work() as session:
+                pending = pending_batches(session)
+                weights = team_weights(session, team_ids={b.team_id for b in pending})
+            rate = self.admission.batch_rate() or self._local_rate()
+            self._at, self._view = now, (pending, weights, rate)
+            self.escalations = self.escalator.decide(
+                pending, now=utcnow(), clock_s=now, weights=weights, rate_tokens_s=rate
+            )
+        return self._view
 
-    return plan
+    def __call__(self, slots: int) -> list[tuple[str, int]]:
+        pending, weights, rate = self._refresh()
+        return self.fair.plan(pending, slots, now=utcnow(), weights=weights, rate_tokens_s=rate)
+
+    def escalated(self) -> dict[str, Escalation]:
+        self._refresh()
+        return self.escalations
+
+    def relaxed(self, slots: int) -> list[tuple[str, int]]:
+        return escalated_plan(self.escalated(), slots, overflow=False)
+
+    def overflow(self, slots: int) -> list[tuple[str, int]]:
+        return escalated_plan(self.escalated(), slots, overflow=True)
+
+
+def make_planner(refresh_s: float = 0.5, admission: Admission | None = None) -> Planner:
+    return Planner(admission or get_admission(), refresh_s)
+
+
+def escalation_config(s: Settings) -> EscalationConfig:
+    return EscalationConfig(margin=s.escalation_margin, overflow_margin=s.overflow_margin)
 
 
 class _Totals(Protocol):
@@ -123,3 +153,23 @@ def make_capacity_loop(
         for i, eps in enumerate(deployments)
     ]
     return loops[0] if len(loops) == 1 else FleetCapacityLoop(loops)
+
+
+def make_escalation(planner: Planner, leases: LeaseStore | None = None) -> EscalatedRelease:
+    """A drain's escalated releases on `planner`'s view: the relaxed extra per fleet deployment,
+    the overflow deployments after the fleet's (the `FleetClient` made with `overflow_urls`)."""
+    s = get_settings()
+    fleet_n = max(1, len(s.fleet_url_list))
+    limits = EscalationLimits(
+        relaxed_extra=s.escalation_inflight,
+        overflow_limit=s.overflow_max_inflight,
+        overflow_deployments=list(range(fleet_n, fleet_n + len(s.overflow_url_list))),
+    )
+    return EscalatedRelease(
+        admission=planner.admission,
+        leases=leases or get_lease_store(),
+        limits=limits,
+        escalated=planner.escalated,
+        relaxed_plan=planner.relaxed,
+        overflow_plan=planner.overflow,
+    )

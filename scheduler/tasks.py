@@ -33,7 +33,7 @@ from backfill.scheduler.dispatcher import Dispatcher
 from backfill.scheduler.fleet import FleetClient
 from backfill.scheduler.leases import exclusive_lease, get_lease_store
 from backfill.scheduler.metrics import timed
-from backfill.scheduler.runtime import get_admission, make_planner
+from backfill.scheduler.runtime import get_admission, make_escalation, make_planner
 from backfill.storage.broker import TaskName, celery_app
 from backfill.storage.db import unit_of_work
 from backfill.storage.objects import get_object_store
@@ -185,10 +185,16 @@ def drain() -> int:
 
     async def run() -> int:
         fleet = FleetClient(
-            s.fleet_url_list, timeout_s=s.fleet_timeout_s, api_key=s.fleet_api_key, redis_url=s.redis_url
+            s.fleet_url_list,
+            timeout_s=s.fleet_timeout_s,
+            api_key=s.fleet_api_key,
+            redis_url=s.redis_url,
+            overflow_urls=s.overflow_url_list,
+            overflow_api_key=s.overflow_api_key,
         )
         try:
             admission = get_admission()
+            planner = make_planner()
             dispatcher = Dispatcher(
                 store=get_object_store(),
                 leases=leases,
@@ -197,7 +203,8 @@ def drain() -> int:
                 # sessions start only while what is in flight fits it (jobs.claims).
                 kv_budget_tokens=await asyncio.to_thread(admission.kv_budget_tokens),
                 fleet=fleet,
-                planner=make_planner(),
+                planner=planner,
+                escalation=make_escalation(planner, leases),
                 max_attempts=s.max_attempts,
                 hint_mode=s.fleet_priority_hint,
                 shutdown=SHUTDOWN,

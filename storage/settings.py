@@ -145,6 +145,18 @@ class Settings(BaseSettings):
     kv_budget_bytes: int = 0
     # Share of releases guaranteed to batches forecast to miss their completion window.
     deadline_guaranteed_share: float = 0.5
+    # Escalation (scheduler.escalation): a batch whose forecast finish passes its deadline minus
+    # escalation_margin x its window may take escalation_inflight leases per deployment beyond
+    # the controller's limit (a bounded part of the interactive SLO budget, for its lines only);
+    # the lines that would still miss go to the overflow deployments (comma-separated
+    # OpenAI-compatible base URLs, a circuit breaker each, overflow_max_inflight in flight
+    # each), and every line left in the last overflow_margin x its window does.
+    escalation_margin: float = 0.2
+    escalation_inflight: int = 8
+    overflow_urls: str = ""
+    overflow_api_key: str = ""
+    overflow_max_inflight: int = 32
+    overflow_margin: float = 0.1
     # With no interactive request in flight, the latency target may stretch to this multiple
     # of the SLO (the first interactive arrival sheds back); 1.0 keeps the SLO target always.
     capacity_idle_target: float = 1.0
@@ -196,6 +208,10 @@ class Settings(BaseSettings):
     @property
     def fleet_url_list(self) -> list[str]:
         return [u.strip().rstrip("/") for u in self.fleet_urls.split(",") if u.strip()]
+
+    @property
+    def overflow_url_list(self) -> list[str]:
+        return [u.strip().rstrip("/") for u in self.overflow_urls.split(",") if u.strip()]
 
     @property
     def fleet_metrics_spec(self) -> str:
