@@ -39,6 +39,7 @@ from bench.control_probes import (
     db_snapshot,
     redis_commands,
     table_bytes,
+    wal_breakdown,
     wal_bytes,
 )
 from bench.scale import ProcessSampler, write_input
@@ -191,6 +192,7 @@ def main() -> None:
                 db_after, redis_after, s3_after = db_snapshot(db_url), redis_commands(redis_url), proxy.total
                 left_bytes = sum(table_bytes(db_url, compact=True).values()) - sum(base_bytes.values())
                 wal = wal_bytes(db_url, db_before, db_after)
+                wal_kinds = wal_breakdown(db_url, db_before, db_after)
                 fleet_requests = fleet.requests
         finally:
             if proxy is not None:
@@ -205,6 +207,9 @@ def main() -> None:
     )
     print_cpu(sampler, cpu_before, names, n)
     print_tables(db_before, db_after, n)
+    print(f"\n{'WAL by kind (per line)':<24}{'records':>10}{'bytes':>10}{'of which FPI':>14}")
+    for kind, count, nbytes, fpi in wal_kinds:
+        print(f"{kind:<24}{count / n:>10.2f}{nbytes / n:>10.0f}{fpi / n:>14.0f}")
     s3_methods = {m: c - s3_methods_before.get(m, 0) for m, c in (proxy.counts if proxy else {}).items()}
     print(f"\nS3 requests by method: {s3_methods}")
     print(

@@ -160,3 +160,20 @@ def redis_commands(url: str) -> int:
         return int(client.info("stats")["total_commands_processed"])
     finally:
         client.close()
+
+
+def wal_breakdown(url: str, before: DbSnapshot, after: DbSnapshot) -> list[tuple[str, int, int, int]]:
+    """WAL between two snapshots by resource manager (heap, btree, transaction...): records,
+    their bytes and the full-page images' bytes among them. Empty without pg_walinspect."""
+    try:
+        with psycopg.connect(_plain(url), autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+            rows = conn.execute(
+                'SELECT "resource_manager/record_type", count, combined_size, fpi_size '
+                "FROM pg_get_wal_stats(%s::pg_lsn, %s::pg_lsn, false) "
+                "WHERE count > 0 ORDER BY combined_size DESC",
+                (before.wal_lsn, after.wal_lsn),
+            ).fetchall()
+    except psycopg.Error:
+        return []
+    return [(str(r[0]), int(r[1]), int(r[2]), int(r[3])) for r in rows]

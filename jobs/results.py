@@ -9,9 +9,10 @@ the ledger entry exists exactly when the result does.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import orjson
-from sqlalchemy import update
+from sqlalchemy import Integer, String, Table, Text, column, update, values
 from sqlalchemy.orm import Session
 
 from backfill.jobs.billing import record_usage
@@ -19,6 +20,20 @@ from backfill.jobs.models import Batch, BatchRequest, RequestState, new_id, utcn
 from backfill.jobs.replies import Outcome, Usage
 
 ATTEMPTS_EXCEEDED = "max_attempts_exceeded"
+# The columns of a group's answers, in the order `record_outcomes` lists them.
+_GIVEN = (
+    ("batch_id", String()),
+    ("line", Integer()),
+    ("state", String()),
+    ("result_id", String()),
+    ("status_code", Integer()),
+    ("request_id", String()),
+    ("response_body", Text()),
+    ("prompt_tokens", Integer()),
+    ("cached_tokens", Integer()),
+    ("completion_tokens", Integer()),
+    ("reasoning_tokens", Integer()),
+)
 
 
 def attempts_exceeded(attempts: int, why: str) -> Outcome:
@@ -40,34 +55,32 @@ def record_outcomes(session: Session, *, claim_token: str, results: Sequence[tup
     Lines are written in (batch, line) order and each batch's counters once per group, so
     concurrent drains take row locks in one order and a group costs one counter update per batch.
     """
-    recorded: dict[str, list[tuple[int, Outcome]]] = {}
-    now = utcnow()
-    for batch_id, line, outcome in sorted(results, key=lambda r: (r[0], r[1])):
+    if not results:
+        return 0
+    # A line given twice is recorded once (the first answer), as a second compare-and-set fails.
+    ordered = sorted({(b, n): (b, n, o) for b, n, o in reversed(results)}.values(), key=lambda r: (r[0], r[1]))
+    rows: list[tuple[object, ...]] = []
+    for batch_id, line, outcome in ordered:
         u = outcome.usage if outcome.succeeded else Usage()  # a failed request costs nothing
-        result = session.execute(
-            update(BatchRequest)
-            .where(
-                BatchRequest.batch_id == batch_id,
-                BatchRequest.line == line,
-                BatchRequest.state == RequestState.running,
-                BatchRequest.claim_token == claim_token,
+        rows.append(
+            (
+                batch_id,
+                line,
+                (RequestState.succeeded if outcome.succeeded else RequestState.failed).value,
+                new_id(),
+                outcome.status_code,
+                outcome.request_id[:128] if outcome.request_id else None,  # the column's size
+                outcome.body.decode(),
+                u.prompt_tokens,
+                u.cached_tokens,
+                u.completion_tokens,
+                u.reasoning_tokens,
             )
-            .values(
-                state=RequestState.succeeded if outcome.succeeded else RequestState.failed,
-                result_id=new_id(),
-                status_code=outcome.status_code,
-                request_id=outcome.request_id[:128] if outcome.request_id else None,  # the column's size
-                response_body=outcome.body.decode(),
-                prompt_tokens=u.prompt_tokens,
-                cached_tokens=u.cached_tokens,
-                completion_tokens=u.completion_tokens,
-                reasoning_tokens=u.reasoning_tokens,
-                finished_at=now,
-                claim_token=None,
-            )
-            .execution_options(synchronize_session=False)
         )
-        if result.rowcount == 1:  # type: ignore[attr-defined]
+    owned = _write_results(session, claim_token, rows)
+    recorded: dict[str, list[tuple[int, Outcome]]] = {}
+    for batch_id, line, outcome in ordered:
+        if (batch_id, line) in owned:
             recorded.setdefault(batch_id, []).append((line, outcome))
     for batch_id, items in recorded.items():
         ok = [o.usage for _, o in items if o.succeeded]
@@ -88,3 +101,35 @@ def record_outcomes(session: Session, *, claim_token: str, results: Sequence[tup
         assert batch is not None
         record_usage(session, batch, items)
     return sum(len(items) for items in recorded.values())
+
+
+def _write_results(session: Session, claim_token: str, rows: list[tuple[object, ...]]) -> set[tuple[str, int]]:
+    """Write the answers on the lines `claim_token` still holds; returns those lines.
+
+    On Postgres one statement for the group, not one per line: the answers as a VALUES list
+    joined to their rows (a drain's CPU per line is mostly per-statement work). The claim's
+    compare-and-set stays per row (state and token in the WHERE); RETURNING says which lines
+    matched. SQLite (tests, embedded mode) has no column list on VALUES: one UPDATE a line."""
+    table = cast(Table, BatchRequest.__table__)
+    held = (table.c.state == RequestState.running.value, table.c.claim_token == claim_token)
+    done = {"finished_at": utcnow(), "claim_token": None}
+    if session.get_bind().dialect.name != "postgresql":
+        owned: set[tuple[str, int]] = set()
+        for row in rows:
+            batch_id, line = str(row[0]), int(row[1])  # type: ignore[call-overload]
+            result = session.execute(
+                update(table)
+                .where(table.c.batch_id == batch_id, table.c.line == line, *held)
+                .values({**{name: value for (name, _), value in zip(_GIVEN[2:], row[2:], strict=True)}, **done})
+            )
+            if result.rowcount == 1:  # type: ignore[attr-defined]
+                owned.add((batch_id, line))
+        return owned
+    given = values(*(column(name, type_) for name, type_ in _GIVEN), name="given").data(rows)
+    stmt = (
+        update(table)
+        .where(table.c.batch_id == given.c.batch_id, table.c.line == given.c.line, *held)
+        .values({**{name: given.c[name] for name, _ in _GIVEN[2:]}, **done})
+        .returning(table.c.batch_id, table.c.line)
+    )
+    return {(str(b), int(n)) for b, n in session.execute(stmt)}
