@@ -89,7 +89,8 @@ def compare(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[st
 def run_vllm_batch(
     python: Path, engine_args: list[str], lines: list[dict[str, Any]], workdir: Path
 ) -> tuple[float, list[dict[str, Any]]]:
-    from backfill.devfleet.vllm import RUN_BATCH_MODULE, server_env
+    from backfill.devfleet.vllm import server_env
+    from backfill.devfleet.vllm_install import RUN_BATCH_MODULE
 
     src, dst = workdir / "in.jsonl", workdir / "out.jsonl"
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -136,7 +137,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from backfill.devfleet.stack import launch_stack
-    from backfill.devfleet.vllm import MODEL_NAME, VllmServer, build_vllm_model, ensure_vllm_venv
+    from backfill.devfleet.vllm import VllmServer
+    from backfill.devfleet.vllm_install import MODEL_NAME, build_vllm_model, ensure_vllm_venv
 
     python = ensure_vllm_venv()
     model = build_vllm_model(python=python)

@@ -24,7 +24,7 @@ def _cmd_install(args: argparse.Namespace) -> int:
     print(f"dynamo python: {py}")
     print(f"model: {model}")
     if not args.no_vllm:
-        from .vllm import build_vllm_model, ensure_vllm_venv
+        from .vllm_install import build_vllm_model, ensure_vllm_venv
 
         vllm_py = ensure_vllm_venv()
         print(f"vllm python: {vllm_py}")

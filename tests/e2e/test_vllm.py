@@ -32,7 +32,8 @@ from backfill.devfleet.processes import free_port
 from backfill.devfleet.s3 import SeaweedS3
 from backfill.devfleet.services import private_redis
 from backfill.devfleet.stack import Stack, launch_stack
-from backfill.devfleet.vllm import MODEL_NAME, VllmServer, build_vllm_model, ensure_vllm_venv
+from backfill.devfleet.vllm import VllmServer
+from backfill.devfleet.vllm_install import MODEL_NAME, build_vllm_model, ensure_vllm_venv
 from tests.contract.test_result_fidelity import (
     assert_error_line,
     assert_output_file_valid,
