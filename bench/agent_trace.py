@@ -12,6 +12,7 @@ exactly the same requests; only a per-run salt word changes (so no run inherits 
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -55,6 +56,10 @@ class TraceSpec:
     think_s: tuple[float, float] = (1.0, 2.5)
     quiet_think_s: tuple[float, float] = (3.0, 6.0)
     seed: int = 7
+    # bursts: `burst_sessions` start in each burst, `quiet_sessions` in each quiet period.
+    # ramp: one compressed day over the whole trace, no cycles: sessions in flight rise smoothly
+    # from `quiet_sessions` to `burst_sessions` at mid-trace and fall back (cycle_s, burst_s unused).
+    shape: str = "bursts"
 
 
 # Named traces for the harvest benchmark, so a control law is judged on more than one shape.
@@ -74,10 +79,21 @@ TRACES: dict[str, TraceSpec] = {
         max_tokens=(80, 160),
         seed=11,
     ),
+    # `ramp`: a diurnal ramp with no clean lull: 3-4 sessions in flight at the ends of the trace,
+    # 8-11 in its middle, sessions starting at any time (not in waves), so the batch side never
+    # gets an idle stretch; it has to find the room that a smoothly changing load leaves.
+    "ramp": TraceSpec(duration_s=120.0, burst_sessions=8, quiet_sessions=3, seed=30, shape="ramp"),
 }
+
+RAMP_SESSION_S = (10.0, 20.0)  # how long a ramp session keeps taking turns
+RAMP_STEP_S = 0.25
 
 
 def build_trace(spec: TraceSpec) -> list[Session]:
+    if spec.shape == "ramp":
+        return _build_ramp(spec)
+    if spec.shape != "bursts":
+        raise ValueError(f"unknown trace shape {spec.shape!r}")
     rng = random.Random(spec.seed)
     sessions: list[Session] = []
     sid = 0
@@ -96,6 +112,34 @@ def build_trace(spec: TraceSpec) -> list[Session]:
             sessions.append(_session(rng, spec, sid, start, cycle_end, spec.quiet_think_s, burst=False))
             sid += 1
         cycle_start += spec.cycle_s
+    return sorted(sessions, key=lambda s: s.start_s)
+
+
+def ramp_level(spec: TraceSpec, t: float) -> float:
+    """Sessions in flight the ramp aims for at `t`: a raised cosine, trough at both ends."""
+    lo, hi = spec.quiet_sessions, spec.burst_sessions
+    return lo + (hi - lo) * (1.0 - math.cos(2.0 * math.pi * t / spec.duration_s)) / 2.0
+
+
+def _build_ramp(spec: TraceSpec) -> list[Session]:
+    """Sessions arrive at the rate that keeps `ramp_level` of them in flight (level / mean
+    session length), drawn step by step, so arrivals are spread out rather than in waves."""
+    rng = random.Random(spec.seed)
+    mean_len = sum(RAMP_SESSION_S) / 2.0
+    sessions: list[Session] = []
+
+    def add(start: float) -> None:
+        end = min(start + rng.uniform(*RAMP_SESSION_S), spec.duration_s)
+        sessions.append(_session(rng, spec, len(sessions), start, end, spec.think_s, burst=False))
+
+    # The trough's sessions are under way when the trace starts (staggered over the first seconds).
+    for _ in range(spec.quiet_sessions):
+        add(rng.uniform(0.0, 3.0))
+    t = 0.0
+    while t < spec.duration_s - 4.0:
+        if rng.random() < ramp_level(spec, t) / mean_len * RAMP_STEP_S:
+            add(t + rng.uniform(0.0, RAMP_STEP_S))
+        t += RAMP_STEP_S
     return sorted(sessions, key=lambda s: s.start_s)
 
 

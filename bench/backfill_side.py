@@ -1,6 +1,8 @@
 """backfill's side of a harvest run, in its own process: the real Dispatcher (leases in Redis,
 lines claimed from Postgres, results committed there) with either a fixed lease limit (the static
-sweep) or the capacity controller publishing the limit from the fleet's telemetry.
+sweep), the capacity controller publishing the limit from the fleet's telemetry, or (the oracle
+run, `--limit-schedule`) a limit per window known in advance, published where the controller
+publishes its own.
 
 Configured through the usual BACKFILL_* environment; the harvest orchestrator sets it. Writes
 what it did (completions, in-flight leases, the controller's decisions) as JSON and exits at
@@ -19,14 +21,15 @@ from typing import Any
 
 import orjson
 
-from backfill.scheduler.admission import POOL, Observation
+from backfill.scheduler.admission import POOL, Observation, limit_key
 from backfill.scheduler.capacity import Decision, FleetCapacityLoop
 from backfill.scheduler.dispatcher import Dispatcher
 from backfill.scheduler.fleet import FleetClient
-from backfill.scheduler.leases import get_lease_store
+from backfill.scheduler.leases import LeaseStore, get_lease_store
 from backfill.scheduler.runtime import get_admission, make_capacity_loop, make_planner
 from backfill.storage.objects import get_object_store
 from backfill.storage.settings import get_settings
+from bench.harvest_oracle import limit_at
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,6 +37,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--t-start", type=float, required=True)
     p.add_argument("--t-end", type=float, required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--limit-schedule", default="", help="oracle: JSON list of lease limits, one per window")
+    p.add_argument("--t0", type=float, default=0.0, help="oracle: when the schedule's first window starts")
+    p.add_argument("--window-s", type=float, default=1.0, help="oracle: the schedule's window")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)  # per-request notices would cost the fleet CPU time
     s = get_settings()
@@ -48,7 +54,12 @@ def main(argv: list[str] | None = None) -> None:
 
     admission.observer = observed
     stop = threading.Event()
-    if s.capacity_controlled:
+    if a.limit_schedule:
+        schedule = [int(x) for x in orjson.loads(a.limit_schedule)]
+        threading.Thread(
+            target=_publish_schedule, args=(leases, schedule, a.t0, a.window_s, decisions, stop), daemon=True
+        ).start()
+    elif s.capacity_controlled:
         loop = make_capacity_loop(s, leases)
 
         def decided(t: float, d: Decision) -> None:
@@ -104,6 +115,27 @@ def main(argv: list[str] | None = None) -> None:
         await task  # not reached
 
     asyncio.run(both())
+
+
+def _publish_schedule(
+    leases: LeaseStore,
+    schedule: list[int],
+    t0: float,
+    window_s: float,
+    decisions: list[dict[str, Any]],
+    stop: threading.Event,
+) -> None:
+    """The oracle's limit, republished often (it lapses like the controller's would); a change
+    is recorded as a decision so the plot shows it beside the controller's."""
+    last = None
+    while not stop.is_set():
+        now = time.time()
+        limit = limit_at(schedule, t0, now, window_s)
+        leases.publish(limit_key(0), str(limit), ttl_s=2.0)
+        if limit != last:
+            decisions.append({"t": now, "limit": limit, "shed": None, "reason": "oracle"})
+            last = limit
+        stop.wait(0.1)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ beside different batch loads:
   (a) interactive only: the SLO is derived from it;
   (b) + a naive batch client at a fixed high concurrency;
   (s) + backfill with a fixed lease limit, swept over a range: the best static setting;
+  (o) + backfill with the oracle's lease limit: per 1 s window, the largest static setting at
+      which that window's interactive requests did as well as in (a), known in advance and
+      replayed as a time-varying limit (bench/harvest_oracle.py);
   (c) + backfill with the capacity controller publishing the lease limit.
 
 backfill's side runs in a process of its own: the real Dispatcher (Postgres for the lines, Redis
@@ -22,6 +25,7 @@ SLO rule (per interactive request, from run (a)): TTFT <= 2 x (a)'s p90 TTFT and
     .venv/bin/python -m bench.harvest                   # ~23 minutes
     .venv/bin/python -m bench.harvest --disagg          # prefill/decode split fleet
     .venv/bin/python -m bench.harvest --kv-bytes-per-token 352
+    .venv/bin/python -m bench.harvest --quick --disagg --trace ramp   # agent | lulls | ramp
 """
 
 from __future__ import annotations
@@ -40,12 +44,21 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bench.harvest_oracle import LEAD_S, WINDOW_S, schedule_from_runs
 from bench.harvest_results import RunResult, SloRule
+from bench.harvest_setup import (
+    MODEL,
+    REDIS_URL,
+    ROOT,
+    drop_database,
+    flush_redis,
+    prepare_batch,
+    retire_batch,
+    setup_database,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
-PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-REDIS_URL = os.environ.get("HARVEST_REDIS_URL", "redis://127.0.0.1:6379/7")
-MODEL = "tiny-chat"
+__all__ = ["drop_database", "main", "setup_database"]  # bench/prefix.py sets up its database here too
+
 BLOCK_SIZE = 64
 # The interference regime's KV cache: 2048 blocks of 64 tokens at 576 bytes per token (an FP8
 # MLA row). A leaner cache format fits more tokens into the same bytes.
@@ -65,103 +78,6 @@ def meets(r: dict[str, Any], slo: SloRule) -> bool:
     if r.get("status") != 200 or r.get("ttft") is None:
         return False
     return r["ttft"] <= slo.ttft_s and (r.get("itl") is None or r["itl"] <= slo.itl_s)
-
-
-# -- set-up ----------------------------------------------------------------------------------
-
-
-def setup_database() -> str:
-    import psycopg
-
-    name = f"backfill_harvest_{secrets.token_hex(4)}"
-    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://") + f"/{name}"
-    env = {**os.environ, "BACKFILL_DATABASE_URL": url}
-    subprocess.run([sys.executable, "-m", "backfill", "migrate"], env=env, check=True, cwd=ROOT, capture_output=True)
-    return url
-
-
-def drop_database(url: str) -> None:
-    import psycopg
-
-    name = url.rsplit("/", 1)[1]
-    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-def prepare_batch(salt: str, n: int) -> str:
-    """A batch of n lines through the same service functions the API and validation task use."""
-    import orjson
-
-    from backfill.jobs import batches, files, teams, validation
-    from backfill.jobs.models import new_id
-    from backfill.storage.db import unit_of_work
-    from backfill.storage.objects import get_object_store
-    from bench.loadgen import batch_body
-
-    store = get_object_store()
-    data = b"".join(
-        orjson.dumps(
-            {
-                "custom_id": f"{salt}-{i}",
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": batch_body(i, salt, MODEL),
-            }
-        )
-        + b"\n"
-        for i in range(n)
-    )
-    with unit_of_work() as s:
-        team_id = teams.get_or_create_team(s, name="harvest").id
-    file_id = new_id()
-    key = files.file_key(team_id, file_id)
-    store.put(key, [data])
-    with unit_of_work() as s:
-        files.record_upload(
-            s,
-            file_id=file_id,
-            team_id=team_id,
-            purpose="batch",
-            filename="harvest.jsonl",
-            size=len(data),
-            expires_after_s=None,
-            default_batch_expiry_s=86400,
-        )
-        batch_id = batches.create_batch(
-            s,
-            team_id=team_id,
-            input_file_id=file_id,
-            endpoint="/v1/chat/completions",
-            completion_window="24h",
-            windows={"24h": 86400},
-        ).id
-    result = validation.validate_lines(
-        store.open(key),
-        endpoint="/v1/chat/completions",
-        served_models={MODEL},
-        limits=validation.Limits(max_requests=n, max_line_bytes=1 << 20, max_errors=10),
-    )
-    with unit_of_work() as s:
-        status = validation.apply_validation(s, batch_id=batch_id, result=result)
-    if status != "in_progress":
-        raise RuntimeError(f"harvest batch did not validate: {status} {result.errors[:3]}")
-    return batch_id
-
-
-def retire_batch(batch_id: str) -> None:
-    from backfill.jobs import batches
-    from backfill.storage.db import unit_of_work
-
-    with unit_of_work() as s:
-        batches.cancel_batch(s, team_id=None, batch_id=batch_id)
-
-
-def flush_redis() -> None:
-    import redis
-
-    redis.Redis.from_url(REDIS_URL).flushdb()
 
 
 # -- one run ---------------------------------------------------------------------------------
@@ -204,13 +120,16 @@ def run_one(
     workdir: Path,
     env: dict[str, str],
     concurrency: int | None = None,
+    schedule: list[int] | None = None,
+    window_s: float = WINDOW_S,
 ) -> dict[str, Any]:
-    """Replays the trace beside one batch load; returns the raw records of both sides."""
+    """Replays the trace beside one batch load; returns the raw records of both sides.
+    `schedule` (kind o): the oracle's lease limit per window of `window_s` from the trace's start."""
     from backfill.scheduler.telemetry import Endpoint
 
     salt = f"{name}{secrets.token_hex(2)}"
     duration = float(spec["duration_s"])
-    batch_id = prepare_batch(salt, BATCH_LINES) if kind in ("s", "c") else None
+    batch_id = prepare_batch(salt, BATCH_LINES) if kind in ("s", "o", "c") else None
     flush_redis()
     t0 = time.time() + WARMUP_S + 2.0
     t_end = t0 + duration
@@ -229,13 +148,17 @@ def run_one(
                 out=batch_out,
             )
         )
-    elif kind in ("s", "c"):
+    elif kind in ("s", "o", "c"):
         side_env = dict(env)
+        # The oracle's limit is published where the controller's is, so admission runs controlled.
         side_env.update(
-            BACKFILL_CAPACITY_CONTROL="true" if kind == "c" else "false",
+            BACKFILL_CAPACITY_CONTROL="true" if kind in ("o", "c") else "false",
             BACKFILL_MAX_INFLIGHT=str(concurrency),
         )
-        procs.append(_spawn("bench.backfill_side", env=side_env, t_start=t0 - WARMUP_S, t_end=t_end + 5, out=batch_out))
+        oracle = {"limit_schedule": json.dumps(schedule), "t0": t0, "window_s": window_s} if kind == "o" else {}
+        procs.append(
+            _spawn("bench.backfill_side", env=side_env, t_start=t0 - WARMUP_S, t_end=t_end + 5, out=batch_out, **oracle)
+        )
     endpoints = [Endpoint("frontend", fleet.frontend_metrics_url)] + [
         Endpoint(role, url) for role, url in fleet.worker_metrics_urls
     ]
@@ -303,10 +226,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--naive-concurrency", type=int, default=128)
     p.add_argument("--sweep", default="", help="static lease limits, comma-separated")
     p.add_argument("--ceiling", type=int, default=128, help="the controller's upper bound")
-    p.add_argument("--runs", default="a,b,s,c", help="which runs (a always runs: it sets the SLO)")
+    p.add_argument("--runs", default="a,b,s,o,c", help="which runs (a always runs: it sets the SLO; o needs s)")
+    p.add_argument("--oracle-window", type=float, default=WINDOW_S, help="the oracle's window (s)")
+    p.add_argument("--oracle-lead", type=float, default=LEAD_S, help="how far ahead the oracle lowers its limit (s)")
     p.add_argument("--duration", type=float, default=0.0, help="override the trace length (s)")
     p.add_argument(
-        "--trace", default="agent", help="interactive trace: agent (default) or lulls (bench/agent_trace.py)"
+        "--trace", default="agent", help="interactive trace: agent (default), lulls or ramp (bench/agent_trace.py)"
     )
     p.add_argument("--out", default=str(ROOT / "bench" / "out"))
     p.add_argument("--keep", action="store_true", help="keep the raw per-request records (printed path)")
@@ -325,6 +250,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.duration:
         spec["duration_s"] = a.duration
     runs = set(a.runs.split(","))
+    if "o" in runs and "s" not in runs:
+        p.error("--runs: the oracle (o) is built from the static sweep (s)")
     variant = (
         ("disagg" if a.disagg else "agg")
         + f"-kv{a.kv_bytes_per_token}"
@@ -377,8 +304,18 @@ def main(argv: list[str] | None = None) -> None:
         env.update(BACKFILL_FLEET_URLS=fleet.base_url, BACKFILL_FLEET_METRICS_URLS=metrics)
         print(f"harvest {variant}: fleet {fleet.base_url} ({blocks} KV blocks/decoder), trace {spec}", flush=True)
 
-        def go(name: str, kind: str, conc: int | None = None) -> dict[str, Any]:
-            raw = run_one(name, kind, fleet=fleet, spec=spec, workdir=workdir, env=env, concurrency=conc)
+        def go(name: str, kind: str, conc: int | None = None, schedule: list[int] | None = None) -> dict[str, Any]:
+            raw = run_one(
+                name,
+                kind,
+                fleet=fleet,
+                spec=spec,
+                workdir=workdir,
+                env=env,
+                concurrency=conc,
+                schedule=schedule,
+                window_s=a.oracle_window,
+            )
             raws[name] = raw
             return raw
 
@@ -394,6 +331,18 @@ def main(argv: list[str] | None = None) -> None:
             _report(results[-1])
         for c in sweep if "s" in runs else []:
             results.append(summarize(f"s{c}", "s", go(f"s{c}", "s", c), slo, c))
+            _report(results[-1])
+        if "o" in runs:
+            schedule = schedule_from_runs(
+                raws["a"],
+                {c: raws[f"s{c}"] for c in sweep},
+                lambda r: meets(r, slo),
+                window_s=a.oracle_window,
+                lead_s=a.oracle_lead,
+            )
+            print(f"oracle schedule ({a.oracle_window:g} s windows, {a.oracle_lead:g} s lead): {schedule}", flush=True)
+            results.append(summarize("o", "o", go("o", "o", max(sweep), schedule), slo))
+            results[-1].extra["schedule"] = schedule
             _report(results[-1])
         if "c" in runs:
             results.append(summarize("c", "c", go("c", "c", a.ceiling), slo))
@@ -411,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(workdir, ignore_errors=True)
     elapsed = time.time() - started
 
-    from bench.harvest_report import final_line, plot, write_summary
+    from bench.harvest_report import final_line, plot, table_row, write_summary
 
     png = out_dir / f"harvest-{variant}.png"
     if not runs >= {"b", "c"}:
@@ -421,6 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     line = final_line(results)
     write_summary(out_dir / f"harvest-{variant}.json", variant, spec, slo, results, elapsed, line)
     print(f"wrote {png} ({elapsed / 60:.1f} min)")
+    print(table_row(results))
     print(line)
 
 

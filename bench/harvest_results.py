@@ -16,7 +16,7 @@ class SloRule:
 @dataclass
 class RunResult:
     name: str
-    kind: str  # a | b | s | c
+    kind: str  # a | b | s | o (oracle) | c
     concurrency: int | None
     attainment: float
     n: int

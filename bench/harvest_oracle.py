@@ -1,0 +1,101 @@
+"""The harvest benchmark's oracle: a lease limit that knows the trace in advance.
+
+The static sweep replays the same interactive trace beside each fixed lease limit. Cut each of
+those runs into windows (1 s by default) and ask, per window: at which fixed limits did that
+window's interactive requests do as well as they did alone (run (a))? The largest such limit is
+what a clairvoyant controller could have published for that window. The oracle run replays that
+schedule as a time-varying limit, published the way the controller publishes its own (so the
+real Dispatcher obeys it), and its batch throughput is the yardstick for the controller's.
+
+Choices, and why:
+- A request counts in every window its life overlaps (sent .. end), not only the one it was sent
+  in: its mean ITL is set by the batch load over its whole reply.
+- A window holds at a limit when it has no more SLO misses there than it had in (a). A window
+  (a) itself missed in would otherwise hold nowhere, though batch load did not cause the miss.
+- A window with no interactive request holds at every swept limit (nothing there to hurt).
+- The oracle lowers the limit `lead` windows ahead of need: lowering a limit sheds nothing, so
+  batch requests admitted just before a burst run into it for a few seconds (their reply time).
+  Knowing the trace in advance, the oracle can make room for it; the controller cannot.
+- The schedule never exceeds the largest swept limit: the sweep is all the oracle knows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+WINDOW_S = 1.0
+LEAD_S = 3.0  # about one batch reply (128-384 tokens at 10-15 ms per token)
+
+Meets = Callable[[dict[str, Any]], bool]
+
+
+def window_misses(
+    requests: Sequence[dict[str, Any]], t0: float, n_windows: int, meets: Meets, window_s: float = WINDOW_S
+) -> tuple[list[int], list[int]]:
+    """Per window: how many interactive requests overlap it, and how many of those missed the SLO.
+
+    Times are absolute (`sent`, `end`, as the load generator records them); window k covers
+    [t0 + k * window_s, t0 + (k + 1) * window_s)."""
+    counts = [0] * n_windows
+    misses = [0] * n_windows
+    for r in requests:
+        start = r["sent"] - t0
+        end = max(start, r.get("end", r["sent"]) - t0)
+        first = max(0, math.floor(start / window_s))
+        last = min(n_windows - 1, math.floor(end / window_s))
+        missed = not meets(r)
+        for k in range(first, last + 1):
+            counts[k] += 1
+            misses[k] += missed
+    return counts, misses
+
+
+def holding_limits(baseline_misses: Sequence[int], sweep_misses: Mapping[int, Sequence[int]]) -> list[int]:
+    """Per window, the largest swept limit whose run missed no more there than (a) did (0: none)."""
+    out = []
+    for k, allowed in enumerate(baseline_misses):
+        holding = [limit for limit, misses in sweep_misses.items() if misses[k] <= allowed]
+        out.append(max(holding, default=0))
+    return out
+
+
+def with_lead(limits: Sequence[int], lead_windows: int) -> list[int]:
+    """Each window's limit lowered to the smallest of the next `lead_windows` windows' too."""
+    return [min(limits[k : k + lead_windows + 1]) for k in range(len(limits))]
+
+
+def oracle_schedule(
+    baseline_misses: Sequence[int], sweep_misses: Mapping[int, Sequence[int]], lead_windows: int
+) -> list[int]:
+    """The per-window lease limits the oracle run publishes."""
+    if any(len(m) != len(baseline_misses) for m in sweep_misses.values()):
+        raise ValueError("every run must be cut into the same windows")
+    return with_lead(holding_limits(baseline_misses, sweep_misses), lead_windows)
+
+
+def schedule_from_runs(
+    baseline: dict[str, Any],
+    sweep: Mapping[int, dict[str, Any]],
+    meets: Meets,
+    *,
+    window_s: float = WINDOW_S,
+    lead_s: float = LEAD_S,
+) -> list[int]:
+    """The oracle's schedule from raw harvest runs ((a) and the static sweep by limit)."""
+    n_windows = math.ceil((baseline["t_end"] - baseline["t0"]) / window_s)
+
+    def misses(raw: dict[str, Any]) -> list[int]:
+        return window_misses(raw["interactive"]["requests"], raw["t0"], n_windows, meets, window_s)[1]
+
+    lead = math.ceil(lead_s / window_s)
+    return oracle_schedule(misses(baseline), {c: misses(raw) for c, raw in sweep.items()}, lead)
+
+
+def limit_at(schedule: Sequence[int], t0: float, now: float, window_s: float = WINDOW_S) -> int:
+    """The limit in force at `now`: the first window's before the trace, the last one's after."""
+    if not schedule:
+        return 0
+    k = math.floor((now - t0) / window_s)
+    return schedule[min(max(k, 0), len(schedule) - 1)]
