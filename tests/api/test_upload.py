@@ -73,12 +73,9 @@ class Service:
 @pytest.fixture
 def service(scratch_pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Service]:
     home = tmp_path / "home"
-    for name in (
-        "BACKFILL_S3_ENDPOINT_URL",
-        "BACKFILL_REDIS_URL",
-        "BACKFILL_BOOTSTRAP_API_KEY",
-        "BACKFILL_ADMIN_API_KEY",
-    ):
+    # The configured keys stay as they are: an app started with one unset revokes the key it
+    # had configured in this shared scratch database, which the package's other tests use.
+    for name in ("BACKFILL_S3_ENDPOINT_URL", "BACKFILL_REDIS_URL"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("BACKFILL_ENVIRONMENT", "development")
     monkeypatch.setenv("BACKFILL_DATABASE_URL", scratch_pg_url)
