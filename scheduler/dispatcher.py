@@ -345,6 +345,9 @@ class Dispatcher:
                     answer = replace(
                         answer,
                         outcome=replace(answer.outcome, request_id=overflow_request_id(answer.outcome.request_id)),
+                        # An overflow that fails is ours to route around: the line goes back to the
+                        # fleet paths without spending an attempt (its breaker stops the next ones).
+                        sent=answer.sent and not answer.transient,
                     )
                 self._observe(reply, answer, deployment)
                 record_fleet_reply(reply)
