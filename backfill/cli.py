@@ -140,9 +140,11 @@ def scheduler() -> None:
         try:
             ticker.run_forever(s.tick_interval_s, stop=deposed)
         finally:
+            # The next term starts only once this term's controller has stopped (its writes are
+            # fenced to this term's token anyway).
             control_stop.set()
             if control is not None:
-                control.join(timeout=5)
+                control.join()
 
     try:
         lead_while_leader(lease, lead, stop=lambda: stopping["flag"])

@@ -43,8 +43,8 @@ class LeaderLease(Protocol):
     def release(self) -> None: ...
     def held(self) -> bool: ...
     def holder(self) -> str | None: ...
-    def publish(self, key: str, value: str, *, ttl_s: float) -> bool: ...
-    def withdraw(self, key: str) -> bool: ...
+    def publish(self, key: str, value: str, *, ttl_s: float, term: str) -> bool: ...
+    def withdraw(self, key: str, *, term: str) -> bool: ...
 
 
 class _Validity:
@@ -99,9 +99,7 @@ class RedisLeaderLease:
     """The lease as one Redis key holding the leader's token (SET NX PX), renewed and released
     only by that token (Lua compare-and-set)."""
 
-    def __init__(
-        self, url: str, *, name: str = LEADER_NAME, ttl_s: float = 6.0, namespace: str = "backfill"
-    ) -> None:
+    def __init__(self, url: str, *, name: str = LEADER_NAME, ttl_s: float = 6.0, namespace: str = "backfill") -> None:
         import redis
 
         self.r = redis.Redis.from_url(url, decode_responses=True, socket_timeout=max(1.0, ttl_s / 3))
@@ -118,7 +116,9 @@ class RedisLeaderLease:
 
     def try_acquire(self) -> bool:
         sent = time.monotonic()
-        if self.r.set(self.key, self.token, nx=True, px=self.ttl_ms):
+        token = uuid.uuid4().hex  # a new token each term: a previous term's stragglers are fenced out
+        if self.r.set(self.key, token, nx=True, px=self.ttl_ms):
+            self.token = token
             self._validity.granted(sent)
             return True
         return False
@@ -145,13 +145,13 @@ class RedisLeaderLease:
     def _val(self, key: str) -> str:
         return f"{self.ns}:val:{key}"  # the same key `RedisLeaseStore.publish` writes
 
-    def publish(self, key: str, value: str, *, ttl_s: float) -> bool:
-        if not self.held():
+    def publish(self, key: str, value: str, *, ttl_s: float, term: str) -> bool:
+        if term != self.token or not self.held():
             return False
-        return bool(self._fenced_set(keys=[self.key, self._val(key)], args=[self.token, value, int(ttl_s * 1000)]))
+        return bool(self._fenced_set(keys=[self.key, self._val(key)], args=[term, value, int(ttl_s * 1000)]))
 
-    def withdraw(self, key: str) -> bool:
-        return bool(self._fenced_del(keys=[self.key, self._val(key)], args=[self.token]))
+    def withdraw(self, key: str, *, term: str) -> bool:
+        return bool(self._fenced_del(keys=[self.key, self._val(key)], args=[term]))
 
 
 class SqlLeaderLease:
@@ -162,20 +162,25 @@ class SqlLeaderLease:
         self.leases = leases
         self.id = f"leader:{name}"
         self.token = uuid.uuid4().hex
-        self.kind = f"leader:{self.token}"
         self.ttl_s = ttl_s
         self._validity = _Validity(ttl_s, margin_s=min(1.0, ttl_s / 4))
 
+    @property
+    def kind(self) -> str:
+        return f"leader:{self.token}"
+
     def try_acquire(self) -> bool:
         sent = time.monotonic()
+        token = uuid.uuid4().hex  # a new token each term, as in Redis
         try:
             with unit_of_work() as s:
                 s.execute(delete(Lease).where(Lease.id == self.id, Lease.expires_at <= time.time()))
                 if s.get(Lease, self.id) is not None:
                     return False
-                s.add(Lease(id=self.id, kind=self.kind, expires_at=time.time() + self.ttl_s))
+                s.add(Lease(id=self.id, kind=f"leader:{token}", expires_at=time.time() + self.ttl_s))
         except IntegrityError:  # another replica inserted it first
             return False
+        self.token = token
         self._validity.granted(sent)
         return True
 
@@ -209,26 +214,28 @@ class SqlLeaderLease:
             ).scalar_one_or_none()
         return kind.removeprefix("leader:") if kind else None
 
-    def publish(self, key: str, value: str, *, ttl_s: float) -> bool:
-        if not self.held():
+    def publish(self, key: str, value: str, *, ttl_s: float, term: str) -> bool:
+        if term != self.token or not self.held():
             return False
         self.leases.publish(key, value, ttl_s=ttl_s)
         return True
 
-    def withdraw(self, key: str) -> bool:
-        if not self.held():
+    def withdraw(self, key: str, *, term: str) -> bool:
+        if term != self.token or not self.held():
             return False
         self.leases.withdraw(key)
         return True
 
 
 class FencedLeases:
-    """A `LeaseStore` for the capacity controllers: leases and reads pass through; a published
-    value is written only while this replica leads (a deposed leader's write is dropped)."""
+    """A `LeaseStore` for the capacity controllers of one term: leases and reads pass through; a
+    value is published only while the term it was made in still leads (a deposed leader's write,
+    or a straggling thread's from an earlier term of this replica, is dropped)."""
 
     def __init__(self, inner: LeaseStore, leader: LeaderLease) -> None:
         self.inner = inner
         self.leader = leader
+        self.term = leader.token
         self.dropped = 0
 
     def acquire(self, pool: str, *, limit: int, n: int, ttl_s: float, settle: bool = True) -> list[str]:
@@ -250,7 +257,7 @@ class FencedLeases:
         return self.inner.alive(holders)
 
     def publish(self, name: str, value: str, *, ttl_s: float) -> None:
-        if not self.leader.publish(name, value, ttl_s=ttl_s):
+        if not self.leader.publish(name, value, ttl_s=ttl_s, term=self.term):
             self.dropped += 1
             log.warning("not the leader any more: dropped the publication of %s", name)
 
@@ -258,7 +265,7 @@ class FencedLeases:
         return self.inner.read(name)
 
     def withdraw(self, name: str) -> None:
-        self.leader.withdraw(name)
+        self.leader.withdraw(name, term=self.term)
 
 
 def leader_lease(s: Settings) -> LeaderLease:

@@ -93,9 +93,26 @@ def test_redis_fencing_holds_even_while_the_deposed_leaders_clock_says_it_leads(
     a.r.delete(a.key)  # as if a's lease lapsed during a pause that a's clock did not see
     assert b.try_acquire()
     assert a.held()
-    assert a.publish("limit", "99", ttl_s=60) is False
-    assert b.publish("limit", "5", ttl_s=60) is True
+    assert a.publish("limit", "99", ttl_s=60, term=a.token) is False
+    assert b.publish("limit", "5", ttl_s=60, term=b.token) is True
     assert store.read("limit") == "5"
+
+
+def test_a_straggler_from_an_earlier_term_cannot_publish(make: Callable[[], tuple[LeaderLease, LeaseStore]]) -> None:
+    """A replica that lost its lease and won it again: what its previous term's controller thread
+    still tries to publish is dropped, though the replica leads again."""
+    (a, store), (b, _) = make(), make()
+    assert a.try_acquire()
+    old_term = FencedLeases(store, a)
+    a.release()
+    assert b.try_acquire()
+    b.release()
+    assert a.try_acquire()  # a leads again, in a new term
+    new_term = FencedLeases(store, a)
+    old_term.publish("limit", "99", ttl_s=60)
+    assert old_term.dropped == 1
+    new_term.publish("limit", "3", ttl_s=60)
+    assert new_term.dropped == 0 and store.read("limit") == "3"
 
 
 def test_standby_takes_over_and_leaders_never_overlap(make: Callable[[], tuple[LeaderLease, LeaseStore]]) -> None:
