@@ -224,6 +224,11 @@ class Admission:
     async def release(self, lease_ids: list[str], deployment: int = 0) -> None:
         await asyncio.to_thread(self.leases.release, pool_of(deployment), lease_ids)
 
+    def release_groups(self, by_deployment: dict[int, list[str]]) -> None:
+        """Give back leases of several deployments in one call (`scheduler.lease_returns`)."""
+        for deployment, lease_ids in by_deployment.items():
+            self.leases.release(pool_of(deployment), lease_ids)
+
     def observe(self, obs: Observation, deployment: int = 0) -> None:
         self.logs[deployment if deployment < self.deployments else 0].record(obs)
         if self.observer is not None:

@@ -21,6 +21,7 @@ count only consecutive failures, so a deployment failing 80% of its calls never 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -73,6 +74,10 @@ class Breaker(Protocol):
 
     async def state(self) -> BreakerState: ...
 
+    async def flush(self) -> None:
+        """Report what is still held back (successes counted together), before closing."""
+        ...
+
 
 class LocalBreaker:
     """The state machine in this process (embedded mode, and the fallback while Redis is away)."""
@@ -94,6 +99,9 @@ class LocalBreaker:
 
     async def state(self) -> BreakerState:
         return self._state
+
+    async def flush(self) -> None:
+        return None
 
     def allow_now(self) -> Permit:
         now = time.monotonic()
@@ -176,12 +184,13 @@ return {0, 0, tostring(probe_until - now)}
 """
 
 # KEYS[1] = the deployment's hash; ARGV = ok, probe, window_s, buckets, min_failures,
-# failure_ratio, key_ttl_ms. Fields c:<bucket> / f:<bucket> count calls / failures per step of
+# failure_ratio, key_ttl_ms, calls (successes reported together: ok only). Fields c:<bucket> / f:<bucket> count calls / failures per step of
 # the window. Returns the new state when this report changed it, else ''.
 _RECORD = """
 local key, ok, probe = KEYS[1], ARGV[1] == '1', ARGV[2] == '1'
 local window, buckets = tonumber(ARGV[3]), tonumber(ARGV[4])
 local min_failures, ratio, ttl_ms = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
+local calls_n = tonumber(ARGV[8] or '1')
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local state = redis.call('HGET', key, 'state') or 'closed'
@@ -201,7 +210,7 @@ if state == 'half_open' then
 end
 if state == 'open' then return '' end
 local b = math.floor(now / (window / buckets))
-if redis.call('HINCRBY', key, 'c:' .. b, 1) == 1 then
+if redis.call('HINCRBY', key, 'c:' .. b, calls_n) == calls_n then
   for _, f in ipairs(redis.call('HKEYS', key)) do
     local idx = tonumber(string.match(f, '^[cf]:(%d+)$'))
     if idx and idx <= b - buckets then redis.call('HDEL', key, f) end
@@ -242,6 +251,8 @@ class SharedBreaker:
         self._record = redis.register_script(_RECORD)
         self._fallback = local_breaker(name, self.policy)
         self._redis_away_until = 0.0
+        self._successes = 0  # successes not yet added to the shared window
+        self._reporting: asyncio.Task[None] | None = None
 
     async def allow(self) -> Permit:
         p = self.policy
@@ -256,6 +267,15 @@ class SharedBreaker:
         return self._fallback.allow_now()
 
     async def record(self, *, ok: bool, probe: bool = False) -> BreakerState | None:
+        if ok and not probe:
+            # A success that is not the probe never changes the state (closed: it is counted;
+            # half-open: only the probe speaks; open: a late answer), so successes go together:
+            # one script call for all that came back while the last one was out.
+            self._successes += 1
+            if self._reporting is None or self._reporting.done():
+                self._reporting = asyncio.create_task(self._report_successes())
+            return None
+        await self.flush()  # order matters: a success before this failure ends a streak
         p = self.policy
         if self._redis_up():
             try:
@@ -270,6 +290,26 @@ class SharedBreaker:
 
     async def state(self) -> BreakerState:
         return BreakerState(await self._redis.hget(self.key, "state") or BreakerState.closed)
+
+    async def flush(self) -> None:
+        if self._reporting is not None:
+            await self._reporting
+
+    async def _report_successes(self) -> None:
+        p = self.policy
+        while self._successes:
+            n, self._successes = self._successes, 0
+            if self._redis_up():
+                try:
+                    await self._record(
+                        keys=[self.key],
+                        args=[1, 0, p.window_s, p.buckets, p.min_failures, p.failure_ratio, p.key_ttl_ms, n],
+                    )
+                    continue
+                except (RedisError, OSError) as exc:
+                    self._redis_lost(exc)
+            for _ in range(n):
+                self._fallback.record_now(ok=True)
 
     def _redis_up(self) -> bool:
         return time.monotonic() >= self._redis_away_until

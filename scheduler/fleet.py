@@ -240,6 +240,8 @@ class FleetClient:
         return FleetReply(status, body, None, time.monotonic() - started, transient, deployment, sent)
 
     async def aclose(self) -> None:
+        for breaker in self.breakers:
+            await breaker.flush()
         await self._client.aclose()
         if self._redis is not None:
             await self._redis.aclose()
