@@ -38,6 +38,7 @@ from backfill.scheduler.breaker import BreakerState
 from backfill.scheduler.claiming import claim_lines, read_bodies
 from backfill.scheduler.escalated_release import EscalatedRelease, overflow_request_id
 from backfill.scheduler.fleet import FleetClient, FleetReply
+from backfill.scheduler.lease_returns import LeaseReturns
 from backfill.scheduler.leases import LeaseStore
 from backfill.scheduler.metrics import record_fleet_reply
 from backfill.scheduler.n_expansion import post_request
@@ -94,6 +95,7 @@ class Dispatcher:
         )
         self._inflight: set[asyncio.Task[None]] = set()
         self._calls = InflightCalls(admission, leases, self._lease_store_down)  # what a shed may abort
+        self._returns = LeaseReturns(admission, self._lease_store_down)  # freed leases, given back in groups
         self._on: Counter[int] = Counter()  # this drain's lines in hand, per deployment
         self._stop_seen_at: float | None = None
         self._leases_down_since: float | None = None
@@ -153,6 +155,7 @@ class Dispatcher:
             await self._finish_inflight()
         finally:
             watcher.cancel()
+            await self._returns.flush()
             await self.recorder.queue.put(None)
             await writer
             await self.recorder.give_back_unsent(in_doubt=self._claim_in_doubt)
@@ -258,8 +261,7 @@ class Dispatcher:
         return True
 
     async def _release_escalated(self) -> None:
-        """Lines of escalated batches (`scheduler.escalation`): beyond the controller's limit, or
-        on the overflow deployments; sent as any other line."""
+        """Escalated batches' lines (`scheduler.escalation`): beyond the limit, or on overflow."""
         assert self.escalation is not None
         try:
             states = await self.fleet.states()
@@ -292,27 +294,19 @@ class Dispatcher:
             await asyncio.wait(self._inflight, timeout=0.1)
 
     async def _give_back(self, leases: list[tuple[str, int]]) -> None:
-        by_deployment: dict[int, list[str]] = {}
         for lease, deployment in leases:
-            by_deployment.setdefault(deployment, []).append(lease)
-        try:
-            for deployment, ids in by_deployment.items():
-                await self.admission.release(ids, deployment)
-        except RedisError:
-            self._lease_store_down("releasing leases; they lapse by themselves")
+            self._returns.add(lease, deployment)
 
     async def _room(self, n: int) -> dict[int, int]:
-        """How many leases each deployment may give this drain now: all it wants while its circuit
-        is closed; while open or half-open, one (a line to wait for the probe with) unless this
-        drain already has a line there, so lines go to the healthy deployments instead."""
+        """Leases each deployment may give this drain now: all it wants while its circuit is closed;
+        else one (to wait for the probe with) unless it has a line there already."""
         try:
             states = await self.fleet.states()
         except (RedisError, OSError):  # Redis away: the breakers decide locally when a line is sent
             states = [BreakerState.closed] * self.fleet.deployments
         return {d: n if state is BreakerState.closed else (0 if self._on[d] else 1) for d, state in enumerate(states)}
 
-    def _lease_store_down(self, what: str) -> None:
-        """Log the first failure of an outage only: the lease store is used many times a second."""
+    def _lease_store_down(self, what: str) -> None:  # logs an outage's first failure only
         if self._leases_down_since is None:
             self._leases_down_since = time.monotonic()
             log.warning("lease store unreachable (%s): nothing new is sent until it is back", what, exc_info=True)
@@ -368,7 +362,7 @@ class Dispatcher:
                 self._calls.discard(call)
             self._held.pop(lease, None)
             self._on[deployment] -= 1
-            await self._give_back([(lease, deployment)])
+            self._returns.add(lease, deployment)
         await self.recorder.put(Done(request, answer))
 
     def _observe(self, reply: FleetReply, answer: Answer, deployment: int) -> None:
