@@ -44,7 +44,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench.harvest_oracle import LEAD_S, WINDOW_S, schedule_from_runs
+from bench.harvest_oracle import LEAD_S, SPREAD_S, WINDOW_S, schedule_from_runs
 from bench.harvest_results import RunResult, SloRule
 from bench.harvest_setup import (
     MODEL,
@@ -229,6 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--runs", default="a,b,s,o,c", help="which runs (a always runs: it sets the SLO; o needs s)")
     p.add_argument("--oracle-window", type=float, default=WINDOW_S, help="the oracle's window (s)")
     p.add_argument("--oracle-lead", type=float, default=LEAD_S, help="how far ahead the oracle lowers its limit (s)")
+    p.add_argument(
+        "--oracle-spread", type=float, default=SPREAD_S, help="a window's miss counts this far either side (s)"
+    )
     p.add_argument("--duration", type=float, default=0.0, help="override the trace length (s)")
     p.add_argument(
         "--trace", default="agent", help="interactive trace: agent (default), lulls or ramp (bench/agent_trace.py)"
@@ -339,8 +342,13 @@ def main(argv: list[str] | None = None) -> None:
                 lambda r: meets(r, slo),
                 window_s=a.oracle_window,
                 lead_s=a.oracle_lead,
+                spread_s=a.oracle_spread,
             )
-            print(f"oracle schedule ({a.oracle_window:g} s windows, {a.oracle_lead:g} s lead): {schedule}", flush=True)
+            print(
+                f"oracle schedule ({a.oracle_window:g} s windows, {a.oracle_lead:g} s lead, "
+                f"{a.oracle_spread:g} s spread): {schedule}",
+                flush=True,
+            )
             results.append(summarize("o", "o", go("o", "o", max(sweep), schedule), slo))
             results[-1].extra["schedule"] = schedule
             _report(results[-1])

@@ -16,6 +16,11 @@ Choices, and why:
 - The oracle lowers the limit `lead` windows ahead of need: lowering a limit sheds nothing, so
   batch requests admitted just before a burst run into it for a few seconds (their reply time).
   Knowing the trace in advance, the oracle can make room for it; the controller cannot.
+- A window's verdict is one sample of a few requests: at a limit that misses 1 request in 10, a
+  window of 5 requests still passes more often than not, so the plain per-window maximum picks
+  that limit through most of a burst (on the quick agent trace: 91% attainment, against 100%
+  for (a)). A miss `spread` windows away at the same limit counts as this window's too: the
+  load there is about the same, and the window passed by chance.
 - The schedule never exceeds the largest swept limit: the sweep is all the oracle knows.
 """
 
@@ -27,6 +32,7 @@ from typing import Any
 
 WINDOW_S = 1.0
 LEAD_S = 3.0  # about one batch reply (128-384 tokens at 10-15 ms per token)
+SPREAD_S = 2.0
 
 Meets = Callable[[dict[str, Any]], bool]
 
@@ -66,13 +72,24 @@ def with_lead(limits: Sequence[int], lead_windows: int) -> list[int]:
     return [min(limits[k : k + lead_windows + 1]) for k in range(len(limits))]
 
 
+def spread_misses(misses: Sequence[int], baseline: Sequence[int], spread_windows: int) -> list[int]:
+    """Per window, the most misses beyond (a)'s in any window within `spread_windows` of it."""
+    excess = [max(0, m - b) for m, b in zip(misses, baseline, strict=True)]
+    return [max(excess[max(0, k - spread_windows) : k + spread_windows + 1]) for k in range(len(excess))]
+
+
 def oracle_schedule(
-    baseline_misses: Sequence[int], sweep_misses: Mapping[int, Sequence[int]], lead_windows: int
+    baseline_misses: Sequence[int],
+    sweep_misses: Mapping[int, Sequence[int]],
+    lead_windows: int,
+    spread_windows: int = 0,
 ) -> list[int]:
     """The per-window lease limits the oracle run publishes."""
     if any(len(m) != len(baseline_misses) for m in sweep_misses.values()):
         raise ValueError("every run must be cut into the same windows")
-    return with_lead(holding_limits(baseline_misses, sweep_misses), lead_windows)
+    # Misses beyond (a)'s, spread to the neighbouring windows, against an allowance of none.
+    spread = {c: spread_misses(m, baseline_misses, spread_windows) for c, m in sweep_misses.items()}
+    return with_lead(holding_limits([0] * len(baseline_misses), spread), lead_windows)
 
 
 def schedule_from_runs(
@@ -82,6 +99,7 @@ def schedule_from_runs(
     *,
     window_s: float = WINDOW_S,
     lead_s: float = LEAD_S,
+    spread_s: float = SPREAD_S,
 ) -> list[int]:
     """The oracle's schedule from raw harvest runs ((a) and the static sweep by limit)."""
     n_windows = math.ceil((baseline["t_end"] - baseline["t0"]) / window_s)
@@ -89,8 +107,8 @@ def schedule_from_runs(
     def misses(raw: dict[str, Any]) -> list[int]:
         return window_misses(raw["interactive"]["requests"], raw["t0"], n_windows, meets, window_s)[1]
 
-    lead = math.ceil(lead_s / window_s)
-    return oracle_schedule(misses(baseline), {c: misses(raw) for c, raw in sweep.items()}, lead)
+    lead, spread = math.ceil(lead_s / window_s), math.ceil(spread_s / window_s)
+    return oracle_schedule(misses(baseline), {c: misses(raw) for c, raw in sweep.items()}, lead, spread)
 
 
 def limit_at(schedule: Sequence[int], t0: float, now: float, window_s: float = WINDOW_S) -> int:

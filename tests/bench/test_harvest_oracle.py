@@ -11,6 +11,7 @@ from bench.harvest_oracle import (
     limit_at,
     oracle_schedule,
     schedule_from_runs,
+    spread_misses,
     window_misses,
     with_lead,
 )
@@ -80,7 +81,9 @@ def test_schedule_from_raw_runs() -> None:
         4: raw([req(t0 + 0.5, t0 + 0.8), req(t0 + 3.2, t0 + 3.9)]),
         8: raw([req(t0 + 0.5, t0 + 0.8), req(t0 + 3.2, t0 + 3.9, good=False)]),
     }
-    assert schedule_from_runs(baseline, sweep, ok, lead_s=1.0) == [8, 8, 4, 4, 8, 8]
+    assert schedule_from_runs(baseline, sweep, ok, lead_s=1.0, spread_s=0.0) == [8, 8, 4, 4, 8, 8]
+    # With a 1 s spread the miss in window 3 also fails windows 2 and 4 at 8 (and, 1 s ahead, 1).
+    assert schedule_from_runs(baseline, sweep, ok, lead_s=1.0, spread_s=1.0) == [8, 4, 4, 4, 4, 8]
 
 
 def test_limit_in_force_before_during_and_after_the_trace() -> None:
@@ -89,3 +92,19 @@ def test_limit_in_force_before_during_and_after_the_trace() -> None:
     assert limit_at(schedule, 50.0, 51.5) == 4
     assert limit_at(schedule, 50.0, 99.0) == 8
     assert limit_at([], 50.0, 51.0) == 0
+
+
+def test_a_miss_spreads_to_neighbouring_windows_at_its_own_limit() -> None:
+    """s16 missed in window 2 only; with a spread of 1 it fails windows 1-3, where s8 still holds."""
+    baseline = [0, 0, 0, 0, 0, 0]
+    sweep = {4: [0] * 6, 8: [0] * 6, 16: [0, 0, 1, 0, 0, 0]}
+    assert oracle_schedule(baseline, sweep, 0, 0) == [16, 16, 8, 16, 16, 16]
+    assert oracle_schedule(baseline, sweep, 0, 1) == [16, 8, 8, 8, 16, 16]
+
+
+def test_spread_counts_only_misses_beyond_interactive_alone() -> None:
+    # (a) missed one in window 1 itself; s16's miss there is no evidence against s16.
+    baseline = [0, 1, 0]
+    assert spread_misses([0, 1, 0], baseline, 1) == [0, 0, 0]
+    assert spread_misses([0, 2, 0], baseline, 1) == [1, 1, 1]
+    assert oracle_schedule(baseline, {4: [0, 1, 0], 16: [0, 1, 0]}, 0, 1) == [16, 16, 16]
