@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import select, tuple_, update
 from sqlalchemy.orm import Session
 
-from backfill.jobs.billing import current_price_version
+from backfill.jobs.billing import current_price_version, quoted_multiplier
 from backfill.jobs.errors import Conflict, InvalidRequest, NotFound
 from backfill.jobs.files import get_file, validate_expiry
 from backfill.jobs.models import Batch, BatchStatus, utcnow
 from backfill.jobs.windows import check_window
+from backfill.storage.settings import get_settings
 
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/moderations")
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
@@ -51,8 +54,11 @@ def create_batch(
     metadata: Any = None,
     output_expires_after: dict[str, Any] | None = None,
     api_key_id: str | None = None,
+    multipliers: Mapping[str, Decimal] | None = None,
 ) -> Batch:
-    """A `validating` batch; `api_key_id` is the creating key, which its usage is recorded under."""
+    """A `validating` batch; `api_key_id` is the creating key, which its usage is recorded under.
+    It is billed at the prices and the window's multiplier in force now (`multipliers`, by
+    default BACKFILL_WINDOW_PRICE_MULTIPLIERS): both are stored on it."""
     if endpoint not in BATCH_ENDPOINTS:
         raise InvalidRequest(
             f"Invalid endpoint {endpoint!r}: backfill supports {', '.join(BATCH_ENDPOINTS)}.", param="endpoint"
@@ -88,6 +94,9 @@ def create_batch(
         created_at=now,
         expires_at=now + timedelta(seconds=window_s),
         price_version=current_price_version(session),  # billed at the prices in force now
+        price_multiplier=quoted_multiplier(
+            completion_window, multipliers if multipliers is not None else get_settings().price_multipliers
+        ),
     )
     session.add(batch)
     session.flush()

@@ -4,7 +4,10 @@ A batch is billed at the prices in force when it was created: `create_batch` sto
 list's version (the newest price row id) on the batch, and a request is priced with the newest
 row for its model that is no newer than that version and already effective at creation time.
 A completion window's own row wins over the model's general one; a window priced by the general
-row pays its rates times the window's multiplier (`window_rates`, BACKFILL_WINDOW_PRICE_MULTIPLIERS).
+row pays its rates times the window's multiplier (BACKFILL_WINDOW_PRICE_MULTIPLIERS), the one in
+force when the batch was created: `create_batch` stores it on the batch (`quoted_multiplier`) and
+`batch_rates` bills from that, so a setting changed later, or a worker with other settings, never
+bills the batch's lines at another price.
 
 The ledger entry is written by `record_usage`, which `jobs.results.record_outcomes` calls inside
 the transaction that stores the request's result under a compare-and-set; the unique
@@ -30,7 +33,6 @@ from backfill.jobs.errors import InvalidRequest
 from backfill.jobs.metrics import count_usage_on_commit
 from backfill.jobs.models import Batch, utcnow
 from backfill.jobs.replies import Outcome, Usage
-from backfill.storage.settings import get_settings
 
 log = logging.getLogger("backfill.billing")
 
@@ -122,21 +124,24 @@ def scale_micros(micros: int, multiplier: Decimal) -> int:
     return whole + (1 if scaled - whole >= Decimal("0.5") else 0)
 
 
+def quoted_multiplier(completion_window: str, multipliers: Mapping[str, Decimal]) -> Decimal:
+    """The multiplier a batch created now in `completion_window` is quoted at: the window's
+    (`BACKFILL_WINDOW_PRICE_MULTIPLIERS`), 1 when it has none. Stored on the batch at creation."""
+    return multipliers.get(completion_window, Decimal(1))
+
+
 def window_multiplier(price: Price, completion_window: str, multipliers: Mapping[str, Decimal]) -> Decimal:
     """1 for a window's own price row; for the general row (no window), the window's multiplier
     (`BACKFILL_WINDOW_PRICE_MULTIPLIERS`), 1 when it has none."""
     if price.completion_window is not None:
         return Decimal(1)
-    return multipliers.get(completion_window, Decimal(1))
+    return quoted_multiplier(completion_window, multipliers)
 
 
-def window_rates(price: Price, completion_window: str, multipliers: Mapping[str, Decimal]) -> Rates:
-    """What a request of a batch in `completion_window` is billed at, from the price in force for
-    it: the row's rates times the window's multiplier, each rounded to the micro once; the batch
-    discount is the row's. The multipliers are read when a result is recorded, not stored with
-    the batch: a window's own row (`set_price(completion_window=...)`) is what freezes its price."""
+def scaled_rates(price: Price, multiplier: Decimal) -> Rates:
+    """The row's rates times `multiplier`, each rounded to the micro once; the batch discount is
+    the row's."""
     rates = rates_of(price)
-    multiplier = window_multiplier(price, completion_window, multipliers)
     if multiplier == 1:
         return rates
     return Rates(
@@ -145,6 +150,27 @@ def window_rates(price: Price, completion_window: str, multipliers: Mapping[str,
         output=scale_micros(rates.output, multiplier),
         discount_percent=rates.discount_percent,
     )
+
+
+def window_rates(price: Price, completion_window: str, multipliers: Mapping[str, Decimal]) -> Rates:
+    """What a batch created now in `completion_window` would be billed at (the quote), from the
+    price in force for it: the row's rates times the window's multiplier in `multipliers`."""
+    return scaled_rates(price, window_multiplier(price, completion_window, multipliers))
+
+
+def batch_multiplier(price: Price, batch: Batch) -> Decimal:
+    """The multiplier a batch's lines are billed at: 1 on the window's own price row (its rates,
+    bound by the batch's price version, are the window's price); else the one stored on the batch
+    when it was created, 1 for a batch older than the stored multipliers (migration 0012)."""
+    if price.completion_window is not None or batch.price_multiplier is None:
+        return Decimal(1)
+    return batch.price_multiplier
+
+
+def batch_rates(price: Price, batch: Batch) -> Rates:
+    """What each request of `batch` is billed at, from the price in force for it (`price_in_force`
+    at the batch's version and creation time): never the settings of the process recording it."""
+    return scaled_rates(price, batch_multiplier(price, batch))
 
 
 def set_price(
@@ -230,8 +256,7 @@ def _batch_price(session: Session, batch: Batch) -> tuple[Price, Rates] | None:
             log.warning(
                 "no price in force for model %r (batch %s): usage is recorded at zero cost", batch.model, batch.id
             )
-        multipliers = get_settings().price_multipliers
-        cache[batch.id] = (price, window_rates(price, batch.completion_window, multipliers)) if price else None
+        cache[batch.id] = (price, batch_rates(price, batch)) if price else None
     return cache[batch.id]
 
 

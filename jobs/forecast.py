@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from backfill.jobs.billing import current_price_version, price_in_force
+from backfill.jobs.billing import Rates, batch_rates, current_price_version, price_in_force
 from backfill.jobs.billing_models import Price, UsageLedgerEntry
 from backfill.jobs.models import Batch, BatchStatus, utcnow
 from backfill.jobs.usage import usage_totals
@@ -36,6 +36,7 @@ class CostSoFar:
     cached_tokens: int
     completion_tokens: int
     price: Price | None  # the price the batch is billed at; None: none was in force (billed at zero)
+    rates: Rates | None  # the price's rates times the multiplier stored on the batch, as it is billed
 
 
 def cost_so_far(session: Session, batch: Batch) -> CostSoFar:
@@ -62,6 +63,7 @@ def cost_so_far(session: Session, batch: Batch) -> CostSoFar:
         cached_tokens=int(cached),
         completion_tokens=int(completion),
         price=price,
+        rates=batch_rates(price, batch) if price is not None else None,
     )
 
 

@@ -9,6 +9,7 @@ import enum
 import secrets
 import string
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import (
@@ -58,6 +59,20 @@ class UtcDateTime(TypeDecorator[datetime]):
         if value is not None and value.tzinfo is None:
             return value.replace(tzinfo=UTC)
         return value
+
+
+class DecimalText(TypeDecorator[Decimal]):
+    """An exact decimal kept as its text: Postgres and SQLite read back the very value written
+    (SQLite's NUMERIC goes through a float)."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: Decimal | None, dialect: Dialect) -> str | None:
+        return str(value) if value is not None else None
+
+    def process_result_value(self, value: str | None, dialect: Dialect) -> Decimal | None:
+        return Decimal(value) if value is not None else None
 
 
 class BatchStatus(enum.StrEnum):
@@ -184,6 +199,10 @@ class Batch(Base):
     # Estimated prompt + max output tokens of the whole batch (quotas, forecasts).
     token_estimate: Mapped[int] = mapped_column(BigInteger, default=0)
     price_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # The window's price multiplier (BACKFILL_WINDOW_PRICE_MULTIPLIERS) when the batch was created,
+    # applied to the general price row (`jobs.billing.batch_rates`); NULL (batches older than
+    # migration 0012) bills at 1.
+    price_multiplier: Mapped[Decimal | None] = mapped_column(DecimalText, nullable=True)
     # When retention removed the batch's line rows from the database (the result files keep them).
     bodies_purged_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
     # When the batch's per-line ledger rows were rolled up (`jobs.ledger_rollup`).

@@ -1,7 +1,8 @@
 """Per-window prices on SQLite and Postgres: the table the routes and the CLI show
 (`jobs.windows.window_prices`) and what the ledger bills a batch in a window
 (`jobs.billing.record_usage`): the window's own price row, else the general one times the
-window's multiplier from BACKFILL_WINDOW_PRICE_MULTIPLIERS."""
+window's multiplier from BACKFILL_WINDOW_PRICE_MULTIPLIERS, as stored on the batch when it was
+created (tests/jobs/test_batch_price_multiplier.py: a setting changed later does not reach it)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ MULTIPLIERS = {"1h": Decimal(2), "4h": Decimal("1.5"), "7d": Decimal("0.6")}
 
 @pytest.fixture
 def multipliers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """What the billing reads when a result is recorded: the process's settings."""
+    """What `create_batch` stores on a batch: the process's settings."""
     monkeypatch.setenv("BACKFILL_WINDOW_PRICE_MULTIPLIERS", "1h=2,4h=1.5,7d=0.6")
     get_settings.cache_clear()
     yield
@@ -84,6 +85,7 @@ def test_a_batch_is_billed_at_its_windows_price(db: sessionmaker[Session], multi
         for window in ("1h", "4h", "24h", "7d"):
             batch = make_batch(s, team, lines=1)
             batch.completion_window = window
+            batch.price_multiplier = billing.quoted_multiplier(window, get_settings().price_multipliers)
             batches[window] = batch.id
     with db.begin() as s:
         for window, batch_id in batches.items():
