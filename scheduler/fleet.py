@@ -31,6 +31,7 @@ log = logging.getLogger("backfill.fleet")
 
 RETRYABLE_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
 MAX_REPLY_BYTES = 64 * 1024 * 1024
+POOL_SHARDS = 8  # HTTP clients the fleet's connections are spread over
 
 
 @dataclass(frozen=True)
@@ -102,11 +103,19 @@ class FleetClient:
             for url in self._urls
         ]
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.AsyncClient(
-            headers=headers,
-            timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-        )
+        # Several small pools rather than one large one: httpcore looks through every pooled
+        # connection on each request (to drop expired ones), so a request's cost grows with the
+        # pool; spread over POOL_SHARDS clients taken in turn, each pool stays small.
+        per_shard = max(1, math.ceil(max_connections / POOL_SHARDS))
+        self._clients = [
+            httpx.AsyncClient(
+                headers=headers,
+                timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
+                limits=httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard),
+            )
+            for _ in range(POOL_SHARDS)
+        ]
+        self._client_turn = itertools.cycle(self._clients)
 
     @property
     def deployments(self) -> int:
@@ -176,12 +185,13 @@ class FleetClient:
     ) -> tuple[FleetReply, bool]:
         """One POST to one deployment; the flag says whether a connection was made at all."""
         started = time.monotonic()
-        request = self._client.build_request(
+        client = next(self._client_turn)
+        request = client.build_request(
             "POST", base + path, content=payload, headers={"Content-Type": "application/json", **(auth or {})}
         )
         try:
             async with asyncio.timeout(self._timeout_s):
-                resp = await self._client.send(request, stream=True)
+                resp = await client.send(request, stream=True)
                 try:
                     body = await self._read_body(resp)
                 finally:
@@ -242,6 +252,7 @@ class FleetClient:
     async def aclose(self) -> None:
         for breaker in self.breakers:
             await breaker.flush()
-        await self._client.aclose()
+        for client in self._clients:
+            await client.aclose()
         if self._redis is not None:
             await self._redis.aclose()
