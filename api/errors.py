@@ -58,11 +58,23 @@ def envelope(
     )
 
 
+def _wire_ids(request: Request, exc: DomainError) -> str:
+    """The domain names a row by its raw id; the client sent the wire id (`batch_...`, `file-...`)
+    in the path parameter the error is about: say it back as the client knows it."""
+    wire = request.path_params.get(exc.param or "")
+    if not isinstance(wire, str) or wire in exc.message:
+        return exc.message
+    for prefix in ("batch_", "file-"):
+        if wire.startswith(prefix) and len(wire) > len(prefix):
+            return exc.message.replace(wire[len(prefix) :], wire)
+    return exc.message
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(DomainError)
-    async def _domain(_: Request, exc: DomainError) -> JSONResponse:
+    async def _domain(request: Request, exc: DomainError) -> JSONResponse:
         status = next((s for cls, s in STATUS_OF.items() if isinstance(exc, cls)), 400)
-        return envelope(status, exc.message, type_=exc.type, param=exc.param, code=exc.code)
+        return envelope(status, _wire_ids(request, exc), type_=exc.type, param=exc.param, code=exc.code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -118,6 +118,9 @@ def test_another_teams_batch_and_file_are_not_found(api: CheckedClient, team: Te
         assert r.status_code == 404, r.text
         validate(r.json(), "ErrorResponse")
         assert r.json()["error"]["param"] == "batch_id"
+        assert r.json()["error"]["message"] == f"No batch found with id '{b['id']}'."  # the id the client sent
+    r = api.get(f"/v1/files/{b['input_file_id']}", headers=other_team.headers)
+    assert r.status_code == 404 and b["input_file_id"] in r.json()["error"]["message"], r.text
     assert api.get("/v1/batches", headers=other_team.headers).json()["data"] == []
     # Nor can another team start a batch on this team's file.
     r = api.post(
