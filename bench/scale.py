@@ -6,7 +6,7 @@ run, finalized and downloaded; each phase is timed from the client's side. Every
 process (API, worker and its pool children, scheduler) is sampled for RSS and CPU time.
 
     .venv/bin/python -m bench.scale                                   # 200 MB, 50,000 lines
-    .venv/bin/python -m bench.scale --lines 1000000 --line-bytes 200 --window 120s
+    .venv/bin/python -m bench.scale --lines 1000000 --line-bytes 200 --window 60s
 
 With a window shorter than the run needs, the batch expires: its unfinished lines become
 `batch_expired` error lines, so finalization and download still cover every line (the way to
