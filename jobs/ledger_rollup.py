@@ -15,30 +15,14 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import BigInteger, ColumnElement, delete, func, insert, literal_column, select, update
+from sqlalchemy import BigInteger, delete, func, insert, literal_column, select, update
 from sqlalchemy.orm import Session
 
 from backfill.jobs.billing_models import UsageLedgerEntry
-from backfill.jobs.models import TERMINAL_STATUSES, Batch
+from backfill.jobs.models import Batch
 from backfill.jobs.usage import EPOCH, epoch_seconds
 
 ROLLUP_S = 60
-
-
-def roll_up_ledgers(session: Session, *, now: datetime, ended: ColumnElement[bool], limit: int) -> int:
-    """Roll up the ledgers of up to `limit` terminal batches matching `ended` not rolled up yet;
-    returns how many."""
-    batch_ids = list(
-        session.execute(
-            select(Batch.id)
-            .where(Batch.status.in_([s.value for s in TERMINAL_STATUSES]), Batch.ledger_rolled_up_at.is_(None), ended)
-            .limit(limit)
-        ).scalars()
-    )
-    done = 0
-    for batch_id in batch_ids:
-        done += roll_up_ledger(session, batch_id, now=now)
-    return done
 
 
 def roll_up_ledger(session: Session, batch_id: str, *, now: datetime) -> int:

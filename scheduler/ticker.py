@@ -157,6 +157,7 @@ class Ticker:
         self.retention_policy = retention_policy
         self.retention_interval_s = retention_interval_s
         self._last_retention = -1e9
+        self._retirement_backlog = False  # the last retention pass left batches to retire
         self._nudged: dict[tuple[TaskName, str], float] = {}
         self._last_drain_kick = 0.0
 
@@ -239,19 +240,33 @@ class Ticker:
             batch_ids = [b for b in batch_ids if b not in settled]
 
     def retain(self, *, force: bool = False) -> retention.RetentionReport | None:
-        """Apply retention when it is due (or now, with force)."""
+        """Apply retention when it is due (or now, with force), in short transactions. While the
+        last pass retired as many batches as a pass may (a backlog: the first pass after an
+        upgrade finds every batch ever finished), each tick retires the next few batches, and
+        only those: the loop keeps ticking between them."""
         now = time.monotonic()
-        if self.retention_policy is None or (not force and now - self._last_retention < self.retention_interval_s):
+        policy = self.retention_policy
+        if policy is None:
             return None
-        self._last_retention = now
-        with unit_of_work() as session:
-            report = retention.run_retention(session, get_object_store(), policy=self.retention_policy)
+        if force or now - self._last_retention >= self.retention_interval_s:
+            self._last_retention = now
+            report = retention.run_retention(unit_of_work, get_object_store(), policy=policy)
+        elif self._retirement_backlog:
+            report = retention.retire_ended_batches(
+                unit_of_work, now=utcnow(), grace_s=policy.result_body_grace_s, limit=policy.batches_per_pass
+            )
+        else:
+            return None
+        self._retirement_backlog = report.retired >= policy.batches_per_pass
         if report:
             log.info(
-                "retention: removed %d file objects and %d orphaned objects, purged the bodies of %d batches",
+                "retention: removed %d file objects and %d orphaned objects, retired %d batches "
+                "(line rows of %d removed, %d ledgers rolled up)",
                 report.file_objects,
                 report.orphans,
+                report.retired,
                 report.body_batches,
+                report.ledgers,
             )
         return report
 

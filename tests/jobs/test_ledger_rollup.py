@@ -4,10 +4,12 @@ its line rows go once retention's grace has passed, while every usage figure sta
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from backfill.jobs import billing
@@ -86,17 +88,65 @@ def test_retention_removes_the_line_rows_and_rolls_up_the_ledger(db: sessionmake
     batch_id, _ = _finished_batch(db)
     store = LocalObjectStore(tmp_path / "objects")
     policy = RetentionPolicy(orphan_grace_s=3600, result_body_grace_s=3600)
-    with db.begin() as s:  # the batch just ended: its lines and ledger rows stay for the grace period
-        report = run_retention(s, store, policy=policy)
-        assert (report.ledgers, report.body_batches) == (0, 0)
+    # the batch just ended: its lines and ledger rows stay for the grace period
+    report = run_retention(db.begin, store, policy=policy)
+    assert (report.ledgers, report.body_batches) == (0, 0)
     with db() as s:
         assert s.execute(select(func.count()).where(BatchRequest.batch_id == batch_id)).scalar_one() == LINES
-    with db.begin() as s:
-        report = run_retention(s, store, policy=policy, now=utcnow() + timedelta(hours=2))
-        assert (report.ledgers, report.body_batches) == (1, 1)
+    report = run_retention(db.begin, store, policy=policy, now=utcnow() + timedelta(hours=2))
+    assert (report.ledgers, report.body_batches) == (1, 1)
     with db() as s:
         assert s.execute(select(func.count()).where(BatchRequest.batch_id == batch_id)).scalar_one() == 0
         assert s.execute(select(func.count()).select_from(UsageLedgerEntry)).scalar_one() <= 2
         batch = s.get(Batch, batch_id)
         assert batch is not None and batch.bodies_purged_at is not None
         assert (batch.completed, batch.failed) == (LINES - LINES // 10, LINES // 10)  # the counters stay
+
+
+def test_a_batch_whose_bodies_the_old_code_purged_is_retired_too(db: sessionmaker[Session], tmp_path: Path) -> None:
+    """Before retirement became one step, a batch could be marked `bodies_purged_at` with its line
+    rows still there (or its ledger not rolled up): it is selected by its ledger, not by that mark."""
+    batch_id, _ = _finished_batch(db)
+    with db.begin() as s:
+        s.execute(update(Batch).where(Batch.id == batch_id).values(bodies_purged_at=utcnow()))
+    store = LocalObjectStore(tmp_path / "objects")
+    policy = RetentionPolicy(orphan_grace_s=3600, result_body_grace_s=3600)
+    run_retention(db.begin, store, policy=policy, now=utcnow() + timedelta(hours=2))
+    with db() as s:
+        assert s.execute(select(func.count()).where(BatchRequest.batch_id == batch_id)).scalar_one() == 0
+        assert all(r.line < 0 for r in s.execute(select(UsageLedgerEntry)).scalars())
+        batch = s.get(Batch, batch_id)
+        assert batch is not None and batch.ledger_rolled_up_at is not None
+
+
+def test_a_retention_pass_retires_a_few_batches_each_in_its_own_transaction(
+    db: sessionmaker[Session], tmp_path: Path
+) -> None:
+    """The first pass after an upgrade finds every batch ever finished: a pass retires at most
+    `batches_per_pass` of them, the next pass the next ones."""
+    with db.begin() as s:
+        team = Team(name="t")
+        s.add(team)
+        s.flush()
+        for _ in range(5):
+            batch = make_batch(s, team, lines=2, status=BatchStatus.completed)
+            batch.completed_at, batch.output_file_id = utcnow(), "out"
+    store = LocalObjectStore(tmp_path / "objects")
+    policy = RetentionPolicy(orphan_grace_s=3600, result_body_grace_s=3600, batches_per_pass=2)
+    transactions: list[Session] = []
+
+    @contextmanager
+    def counted() -> Iterator[Session]:
+        with db.begin() as s:
+            transactions.append(s)
+            yield s
+
+    later = utcnow() + timedelta(hours=2)
+    passes = [run_retention(counted, store, policy=policy, now=later) for _ in range(4)]
+    assert [(p.retired, p.body_batches, p.ledgers) for p in passes] == [(2, 2, 2), (2, 2, 2), (1, 1, 1), (0, 0, 0)]
+    # Per pass: one to list the batches, one per batch retired, one to list the files to purge
+    # (none here; the empty store has no orphans to look up).
+    assert len(transactions) == (1 + 2 + 1) + (1 + 2 + 1) + (1 + 1 + 1) + (1 + 0 + 1)
+    with db() as s:
+        assert s.execute(select(func.count()).select_from(BatchRequest)).scalar_one() == 0
+        assert s.execute(select(func.count()).where(Batch.ledger_rolled_up_at.is_(None))).scalar_one() == 0

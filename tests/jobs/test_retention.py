@@ -60,20 +60,19 @@ def test_expired_and_deleted_file_objects_go_once_no_unfinished_batch_reads_them
         keys = {f.id: f.object_key for f in (expired, deleted, live, read_by_running)}
 
     policy = RetentionPolicy(orphan_grace_s=3600, result_body_grace_s=-1)
-    with db.begin() as s:
-        report = run_retention(s, store, policy=policy, now=now + timedelta(seconds=1))
+    report = run_retention(db.begin, store, policy=policy, now=now + timedelta(seconds=1))
     assert report.file_objects == 2
     assert _keys(store) == {keys[live.id], keys[read_by_running.id]}
 
     with db.begin() as s:  # the batch ends: its deleted input may go now
         s.get(Batch, running.id).status = BatchStatus.completed  # type: ignore[union-attr]
+    assert run_retention(db.begin, store, policy=policy).file_objects == 1
     with db.begin() as s:
-        assert run_retention(s, store, policy=policy).file_objects == 1
         purged = s.execute(select(File.id).where(File.purged_at.is_not(None))).scalars().all()
     assert set(purged) == {expired.id, deleted.id, read_by_running.id}
     assert _keys(store) == {keys[live.id]}
-    with db.begin() as s:  # nothing left to do: a second pass changes nothing
-        assert not run_retention(s, store, policy=policy)
+    # nothing left to do: a second pass changes nothing
+    assert not run_retention(db.begin, store, policy=policy)
 
 
 def test_orphaned_objects_are_collected_after_the_grace_period(db: sessionmaker[Session], tmp_path: Path) -> None:
@@ -85,16 +84,12 @@ def test_orphaned_objects_are_collected_after_the_grace_period(db: sessionmaker[
     store.put(f"batches/{team}/b1/output.jsonl", [b"{}\n"])  # a finalization that died before its row
 
     policy = RetentionPolicy(orphan_grace_s=3600, result_body_grace_s=-1)
-    with db.begin() as s:  # young: maybe an upload still in flight
-        assert run_retention(s, store, policy=policy).orphans == 0
-    with db.begin() as s:
-        assert run_retention(s, store, policy=policy, now=utcnow() + LATER).orphans == 2
+    assert run_retention(db.begin, store, policy=policy).orphans == 0  # young: maybe an upload still in flight
+    assert run_retention(db.begin, store, policy=policy, now=utcnow() + LATER).orphans == 2
     assert _keys(store) == {known.object_key}
 
 
-def test_line_rows_leave_the_database_after_the_files_are_written(
-    db: sessionmaker[Session], tmp_path: Path
-) -> None:
+def test_line_rows_leave_the_database_after_the_files_are_written(db: sessionmaker[Session], tmp_path: Path) -> None:
     store = LocalObjectStore(tmp_path / "objects")
     with db.begin() as s:
         team = get_or_create_team(s, name="t").id
@@ -116,13 +111,11 @@ def test_line_rows_leave_the_database_after_the_files_are_written(
         done_id, running_id = done.id, running.id
 
     policy = RetentionPolicy(orphan_grace_s=3600, result_body_grace_s=3600)
-    with db.begin() as s:  # inside the grace period a redelivered finalization may still read them
-        assert run_retention(s, store, policy=policy).body_batches == 0
-    with db.begin() as s:
-        assert run_retention(s, store, policy=policy, now=utcnow() + LATER).body_batches == 1
+    # inside the grace period a redelivered finalization may still read them
+    assert run_retention(db.begin, store, policy=policy).body_batches == 0
+    assert run_retention(db.begin, store, policy=policy, now=utcnow() + LATER).body_batches == 1
     with db.begin() as s:
         bodies = {r[0]: r[1] for r in s.execute(select(BatchRequest.batch_id, BatchRequest.response_body))}
         assert bodies == {running_id: '{"ok": true}'}  # the finished batch's line rows are gone
         assert s.get(Batch, done_id).bodies_purged_at is not None  # type: ignore[union-attr]
-    with db.begin() as s:
-        assert run_retention(s, store, policy=policy, now=utcnow() + LATER).body_batches == 0
+    assert run_retention(db.begin, store, policy=policy, now=utcnow() + LATER).body_batches == 0
