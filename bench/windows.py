@@ -13,7 +13,9 @@ steps without a queue. Escalated lines may take
 lines that would still miss, `overflow` slots elsewhere (step 2).
 
     python -m bench.windows                 # 1 h windows as 60 s, a few 24 h ones as 1440 s
-    python -m bench.windows --load 0.9 --extra 4 --overflow 16 --seed 3
+    python -m bench.windows --extra 8 --overflow 8 --seed 3   # (defaults: --extra 4 --overflow 16)
+
+The same comparison on the real stack (fleet, controller, overflow deployment): bench/windows_stack.py.
 """
 
 from __future__ import annotations
@@ -165,9 +167,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", type=float, default=0.9)
     p.add_argument(
-        "--extra", type=int, default=4, help="relaxed slots for escalated lines (BACKFILL_ESCALATION_INFLIGHT)"
+        "--extra",
+        type=int,
+        default=4,
+        help="relaxed slots for escalated lines (BACKFILL_ESCALATION_INFLIGHT), default 4",
     )
-    p.add_argument("--overflow", type=int, default=16, help="overflow slots (BACKFILL_OVERFLOW_MAX_INFLIGHT)")
+    p.add_argument(
+        "--overflow", type=int, default=16, help="overflow slots (BACKFILL_OVERFLOW_MAX_INFLIGHT), default 16"
+    )
     p.add_argument("--seed", type=int, default=1)
     a = p.parse_args()
     t = Trace(load=a.load, seed=a.seed)
