@@ -13,10 +13,12 @@ spending attempts on a fleet known to be down.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import math
 import random
+import ssl
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +47,13 @@ class FleetReply:
     # False when no deployment received the request (every circuit open, or no connection):
     # the line may go back to pending without spending an attempt.
     sent: bool = True
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """One TLS context for every client of the process: loading the CA bundle costs tens of
+    milliseconds, and a drain (a Celery task) makes its clients afresh each time."""
+    return httpx.create_ssl_context()
 
 
 class _BodyStalled(Exception):
@@ -110,6 +119,7 @@ class FleetClient:
         self._clients = [
             httpx.AsyncClient(
                 headers=headers,
+                verify=_tls_context(),
                 timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
                 limits=httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard),
             )
