@@ -29,5 +29,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("batches") as batch_op:
+    # recreate="never": SQLite (3.35+) drops the column in place; recreating `batches` would drop
+    # a table that other rows reference, which SQLite refuses with foreign keys on.
+    with op.batch_alter_table("batches", recreate="never") as batch_op:
         batch_op.drop_column("price_multiplier")
