@@ -12,9 +12,12 @@ as `RateLimitError` and retry after the given delay.
 
 Failed authentications are limited too, per client address (`BACKFILL_AUTH_FAILURE_LIMIT`):
 each made-up key costs a key lookup and a window of its own in the per-key limit, so past the
-limit an address gets 429 for any request with a key, without a lookup, until its window moves
-on. (Behind a proxy, the client address is the proxy's unless uvicorn is told to trust its
-`X-Forwarded-For`.)
+limit an address gets 429 for a request with a key, without a lookup, until its window moves
+on - except a key this process saw authenticate within the last minute (`api.recent_keys`):
+many clients can share one address (a proxy, NAT), and one sender's bad keys must not lock out
+the others' valid ones. A valid key new to this process waits for the window like any guess.
+Behind a proxy the client address is the proxy's unless uvicorn trusts its `X-Forwarded-For`:
+`BACKFILL_FORWARDED_ALLOW_IPS`, which `backfill api` passes on.
 
 Requests without a bearer token are not counted (they are refused by authentication without a
 lookup), nor the probes in `exempt`. If the storage fails, requests pass (and a warning is logged at most
@@ -37,7 +40,9 @@ from limits.errors import StorageError
 from limits.storage import storage_from_string
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from backfill.api.access_log import TEAM_STATE_KEY
 from backfill.api.limits import bearer_key_digest, send_error
+from backfill.api.recent_keys import RecentKeys
 from backfill.storage.settings import get_settings
 
 log = logging.getLogger("backfill.api.ratelimit")
@@ -111,6 +116,7 @@ class RateLimit:
         self._limiter: MovingWindowRateLimiter | None = None
         self._close: Callable[[], Awaitable[None]] | None = None
         self._warned_at = -math.inf
+        self.recent_keys = RecentKeys()
 
     def limiter(self) -> MovingWindowRateLimiter:
         if self._limiter is None:
@@ -131,9 +137,9 @@ class RateLimit:
             return
         address = str((scope.get("client") or ("unknown", 0))[0])
         if self.auth_item is not None:
-            if await self._refuse_failing_address(address, send):
+            if await self._refuse_failing_address(address, digest, send):
                 return
-            send = self._counting_failures(address, send)
+            send = self._counting_failures(address, digest, scope, send)
         if self.item is None:
             await self.app(scope, receive, send)
             return
@@ -163,13 +169,16 @@ class RateLimit:
             ),
         )
 
-    async def _refuse_failing_address(self, address: str, send: Send) -> bool:
-        """Answers 429 when `address` has failed authentication too often; returns whether it did."""
+    async def _refuse_failing_address(self, address: str, digest: str, send: Send) -> bool:
+        """Answers 429 when `address` has failed authentication too often, unless the key
+        authenticated recently; returns whether it did."""
         assert self.auth_item is not None
         item = self.auth_item
         try:
             if await self.limiter().test(item, AUTH_FAILURE_NAMESPACE, address):
                 return False
+            if self.recent_keys.contains(digest):
+                return False  # known valid: it goes on to authentication (and may be revoked since)
             stats = await self.limiter().get_window_stats(item, AUTH_FAILURE_NAMESPACE, address)
         except StorageError as exc:
             self._warn(exc)
@@ -186,17 +195,23 @@ class RateLimit:
         )
         return True
 
-    def _counting_failures(self, address: str, send: Send) -> Send:
-        """`send`, counting a 401 (a key that failed authentication) against the address."""
+    def _counting_failures(self, address: str, digest: str, scope: Scope, send: Send) -> Send:
+        """`send`, counting a 401 (a key that failed authentication) against the address and
+        remembering a key that authenticated (the dependency left its team in the request's state)."""
         assert self.auth_item is not None
         item = self.auth_item
 
         async def counting(message: Message) -> None:
-            if message["type"] == "http.response.start" and message["status"] == 401:
-                try:
-                    await self.limiter().hit(item, AUTH_FAILURE_NAMESPACE, address)
-                except StorageError as exc:
-                    self._warn(exc)
+            if message["type"] == "http.response.start":
+                state = scope.get("state")
+                if message["status"] == 401:
+                    self.recent_keys.discard(digest)
+                    try:
+                        await self.limiter().hit(item, AUTH_FAILURE_NAMESPACE, address)
+                    except StorageError as exc:
+                        self._warn(exc)
+                elif isinstance(state, dict) and state.get(TEAM_STATE_KEY):
+                    self.recent_keys.add(digest)
             await send(message)
 
         return counting

@@ -49,7 +49,12 @@ def api(
     """Serve the OpenAI Files and Batches API."""
     import uvicorn
 
+    from backfill.storage.settings import get_settings
+
     _logging()
+    # Behind a proxy every client would otherwise share the proxy's address (one sender's bad
+    # keys would hold all of them back): trust the configured proxies' X-Forwarded-For.
+    trusted_proxies = get_settings().forwarded_allow_ips.strip() or None
     # A factory: each worker process builds its own app; start-up runs in the app's lifespan.
     uvicorn.run(
         "backfill.api.app:create_app",
@@ -60,6 +65,8 @@ def api(
         workers=workers,
         log_level="info",
         access_log=False,
+        proxy_headers=True,
+        forwarded_allow_ips=trusted_proxies,
     )
 
 

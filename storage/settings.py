@@ -59,6 +59,11 @@ class Settings(BaseSettings):
     # Requests with a key that fails authentication, per client address ("off" disables): past
     # it the address gets 429 without a key lookup until the window moves on.
     auth_failure_limit: str = "30/minute"
+    # Proxies whose X-Forwarded-For / X-Forwarded-Proto uvicorn believes (`backfill api`): IPs or
+    # CIDRs, comma-separated, "*" for any. Set it to the ingress's address range so the API (the
+    # failed-auth limit, the access log) sees each client's own address, not the proxy's. Empty:
+    # uvicorn's default (loopback only, or its FORWARDED_ALLOW_IPS variable).
+    forwarded_allow_ips: str = ""
     # Uploads held open at once (each holds a store writer): beyond these, 429 + Retry-After.
     max_concurrent_uploads: int = 8
     max_concurrent_uploads_per_key: int = 4
