@@ -20,6 +20,7 @@ the check and the connection.
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -50,7 +51,13 @@ METADATA_ADDRESSES = frozenset(
     ipaddress.ip_address(a)
     for a in ("169.254.169.254", "169.254.170.2", "169.254.169.123", "fd00:ec2::254", "100.100.100.200")
 )
-NAT64 = ipaddress.ip_network("64:ff9b::/96")
+# NAT64 prefixes (RFC 6052's well-known one and RFC 8215's local-use range); the IPv4 address
+# rides in the last 32 bits, as with the /96 prefixes translators use in practice.
+NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
+# A DNS host name as resolvers accept it: labels of 1-63 letters, digits, hyphens (not at either
+# end) and underscores (some internal names carry them), 253 characters in all.
+_LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")
+MAX_NAME_CHARS = 253
 # Characters of the legacy IPv4 spellings inet_aton reads (decimal, octal, hex, short forms).
 _LEGACY_IPV4_CHARS = frozenset("0123456789abcdefx.")
 
@@ -67,6 +74,24 @@ def system_resolver(host: str, port: int) -> list[str]:
 def normal_host(host: str) -> str:
     """Lowercase, without brackets or the trailing dot of a fully qualified name."""
     return host.strip().strip("[]").lower().rstrip(".")
+
+
+def valid_name(name: str) -> bool:
+    """Whether `name` (normalized, ASCII) is a host name a resolver can look up: each label
+    well formed, and an `xn--` label real punycode. Anything else (an empty or over-long label,
+    a bracket, `xn--` with nothing after it) is refused before any lookup: the resolver's own
+    IDNA step raises UnicodeError on some, and none can name a receiver."""
+    if not name or len(name) > MAX_NAME_CHARS or not name.isascii():
+        return False
+    for label in name.split("."):
+        if not _LABEL.fullmatch(label):
+            return False
+        if label.startswith("xn--"):
+            try:
+                label.encode("ascii").decode("idna")
+            except UnicodeError:
+                return False
+    return True
 
 
 def literal_address(host: str) -> Address | None:
@@ -93,9 +118,14 @@ def _carried(address: Address) -> list[Address]:
             return [address.ipv4_mapped]
         if address.sixtofour is not None:
             return [address, address.sixtofour]
-        if address in NAT64:
+        if any(address in prefix for prefix in NAT64):
             return [address, ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)]
     return [address]
+
+
+def _metadata(addresses: Iterable[Address]) -> bool:
+    """Whether any address is, or carries, a cloud metadata service's."""
+    return any(a in METADATA_ADDRESSES for address in addresses for a in _carried(address))
 
 
 def _public(a: Address) -> bool:
@@ -131,7 +161,7 @@ class TargetPolicy:
 
     def address_allowed(self, address: Address) -> bool:
         carried = _carried(address)
-        if any(a in METADATA_ADDRESSES for a in carried):
+        if _metadata(carried):
             return False
         return all(
             _public(a)
@@ -150,17 +180,27 @@ class TargetPolicy:
         if literal is not None:
             addresses = [literal]
         else:
+            if not valid_name(name):
+                raise TargetRefused(REFUSED)
             named = name in self.allowed_names
             if (name == "localhost" or name.endswith(".localhost")) and not (named or self.allow_loopback):
                 raise TargetRefused(REFUSED)
-            addresses = [ipaddress.ip_address(a.split("%", 1)[0]) for a in resolve(name, port)]
+            try:
+                resolved = resolve(name, port)
+            except UnicodeError:  # the resolver's IDNA step: no name it could look up
+                raise TargetRefused(REFUSED) from None
+            addresses = [ipaddress.ip_address(a.split("%", 1)[0]) for a in resolved]
             if named:  # the operator vouched for this name: whatever it resolves to, bar metadata
-                if not addresses or any(a in METADATA_ADDRESSES for a in addresses):
+                if not addresses or _metadata(addresses):
                     raise TargetRefused(REFUSED)
                 return addresses[0]
         if not addresses or not all(self.address_allowed(a) for a in addresses):
             raise TargetRefused(REFUSED)
         return addresses[0]
+
+
+def invalid_url() -> InvalidRequest:
+    return InvalidRequest("'url' is not a valid URL.", param="url", code="invalid_url")
 
 
 def check_url_target(url: str) -> None:
@@ -170,11 +210,13 @@ def check_url_target(url: str) -> None:
         target = httpx.URL(url)
         port = target.port or (443 if target.scheme == "https" else 80)
         host = target.raw_host.decode("ascii")
-    except (httpx.InvalidURL, UnicodeError):
-        raise InvalidRequest("'url' is not a valid URL.", param="url") from None
+        # Decoding IDNA (`target.host`) and urlsplit's bracket rules raise ValueError too.
+        hosts_agree = normal_host(target.host) == normal_host(urlsplit(url).hostname or "")
+    except (httpx.InvalidURL, ValueError):  # UnicodeError and IDNAError are ValueErrors
+        raise invalid_url() from None
     # A backslash or a host two parsers read differently is a trick, never a receiver.
-    if "\\" in url or normal_host(target.host) != normal_host(urlsplit(url).hostname or ""):
-        raise InvalidRequest("'url' is not a valid URL.", param="url")
+    if "\\" in url or not hosts_agree or (literal_address(host) is None and not valid_name(normal_host(host))):
+        raise invalid_url()
     try:
         TargetPolicy.from_settings().check(host, port)
     except TargetRefused:

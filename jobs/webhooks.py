@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 from backfill.jobs.errors import InvalidRequest, NotFound
 from backfill.jobs.models import Batch, BatchStatus, utcnow
 from backfill.jobs.webhook_models import DeliveryStatus, WebhookDelivery, WebhookEndpoint, WebhookEvent
-from backfill.jobs.webhook_targets import check_url_target
+from backfill.jobs.webhook_targets import check_url_target, invalid_url
 
 # Keyed by the status's value: a BatchStatus is the str it stands for.
 EVENT_OF_STATUS: dict[str, str] = {
@@ -90,12 +90,16 @@ def active_secrets(endpoint: WebhookEndpoint, *, now: datetime) -> list[str]:
 
 def _check_url(url: str) -> str:
     url = url.strip()
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+        hostname, username = parts.hostname, parts.username
+    except ValueError:  # a stray bracket, an IPv4 address in brackets
+        raise invalid_url() from None
     if (
         len(url) > MAX_URL_CHARS
         or parts.scheme not in ("http", "https")
-        or not parts.hostname
-        or parts.username is not None
+        or not hostname
+        or username is not None
         or any(c.isspace() or not c.isprintable() for c in url)
     ):
         raise InvalidRequest(
