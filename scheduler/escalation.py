@@ -23,6 +23,7 @@ decision stays a pass over the batches, never over lines.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -92,11 +93,14 @@ def forecast_seconds(
 
 
 class Escalator:
-    """Decides each batch's step from its counters; keeps the measured rate of escalated batches."""
+    """Decides each batch's step from its counters; keeps the measured rate of escalated batches.
+    One serves every drain of a process (`scheduler.runtime.get_escalator`), so decisions are
+    serialised: each is one pass over the batches."""
 
     def __init__(self, cfg: EscalationConfig | None = None) -> None:
         self.cfg = cfg or EscalationConfig()
         self._progress: dict[str, _Progress] = {}
+        self._lock = threading.Lock()
 
     def decide(
         self,
@@ -109,6 +113,18 @@ class Escalator:
     ) -> dict[str, Escalation]:
         """The escalated batches (step relaxed or overflow), by id; `clock_s` is a monotonic clock
         for the rate measurement. Batches not returned run on idle capacity as before."""
+        with self._lock:
+            return self._decide(pending, now=now, clock_s=clock_s, weights=weights, rate_tokens_s=rate_tokens_s)
+
+    def _decide(
+        self,
+        pending: Sequence[PendingBatch],
+        *,
+        now: datetime,
+        clock_s: float,
+        weights: Mapping[str, float] | None,
+        rate_tokens_s: float | None,
+    ) -> dict[str, Escalation]:
         cfg = self.cfg
         live = [b for b in pending if b.remaining > 0]
         forecast = forecast_seconds(live, weights=weights or {}, rate_tokens_s=rate_tokens_s)

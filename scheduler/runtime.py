@@ -45,7 +45,7 @@ class Planner:
         self.admission = admission
         self.refresh_s = refresh_s
         self.fair = FairPlanner(PolicyConfig(guaranteed_share=s.deadline_guaranteed_share))
-        self.escalator = escalator or Escalator(escalation_config(s))
+        self.escalator = escalator or get_escalator()
         self.escalations: dict[str, Escalation] = {}
         self._local_rate = rate_meter(admission)
         self._at: float | None = None
@@ -77,6 +77,13 @@ class Planner:
 
     def overflow(self, slots: int) -> list[tuple[str, int]]:
         return escalated_plan(self.escalated(), slots, overflow=True)
+
+
+@lru_cache
+def get_escalator() -> Escalator:
+    """One per process: a drain's planner lives for one slice (30 s), a batch's escalation watch
+    for 5% of its window (3 min of 1 h), so the watch and the measured rate outlive the planner."""
+    return Escalator(escalation_config(get_settings()))
 
 
 def make_planner(refresh_s: float = 0.5, admission: Admission | None = None) -> Planner:

@@ -98,3 +98,22 @@ def test_the_decision_is_a_pass_over_batches_at_thousands_of_them() -> None:
     pending = [batch(f"b{i}", team=f"t{i % 50}", total=1000, remaining=1000 - i % 900) for i in range(5000)]
     out = Escalator().decide(pending, now=NOW, clock_s=0.0, rate_tokens_s=50_000.0)
     assert all(e.step in (Step.relaxed, Step.overflow) for e in out.values())
+
+
+def test_a_watch_longer_than_a_drain_reaches_overflow_across_drains() -> None:
+    """Each drain makes its own planner (scheduler.tasks.drain); a 1 h window is watched for 180 s
+    (5%) before its rate counts, six 30 s drains. The watch must outlive the drain's planner, or a
+    late batch never reaches step 2 before the last stretch, when every line left goes at once."""
+    from backfill.scheduler.admission import Admission
+    from backfill.scheduler.runtime import make_planner
+
+    admission = Admission(object(), fixed_limit=1, ttl_s=5.0)  # type: ignore[arg-type]  # no lease is taken
+    clock, remaining, step = 600.0, 1000, Step.none
+    while clock < 1200.0 and step is not Step.overflow:  # 10 minutes of 30 s drains
+        planner = make_planner(admission=admission)
+        for _ in range(3):  # the drain looks every 10 s; 0.1 lines/s get done (they need ~0.35)
+            now = NOW + timedelta(seconds=clock - 600.0)
+            b = batch("a", total=1000, remaining=remaining, elapsed_s=600.0)
+            step = planner.escalator.decide([b], now=now, clock_s=clock, rate_tokens_s=0.0)["a"].step
+            clock, remaining = clock + 10.0, remaining - 1
+    assert step is Step.overflow, "still only relaxed after 10 minutes of 30 s drains"
