@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from backfill.scheduler.admission import POOL, Observation, limit_key
+from backfill.scheduler.admission import POOL, Observation, limit_key, shed_key
 from backfill.scheduler.capacity import Decision, FleetCapacityLoop
 from backfill.scheduler.dispatcher import Dispatcher
 from backfill.scheduler.fleet import FleetClient
@@ -125,15 +125,17 @@ def _publish_schedule(
     decisions: list[dict[str, Any]],
     stop: threading.Event,
 ) -> None:
-    """The oracle's limit, republished often (it lapses like the controller's would); a change
-    is recorded as a decision so the plot shows it beside the controller's."""
+    """The oracle's limit, republished often (it lapses like the controller's would), and as the
+    shed target too, as the controller publishes one when it cuts; a change is recorded as a
+    decision so the plot shows it beside the controller's."""
     last = None
     while not stop.is_set():
         now = time.time()
         limit = limit_at(schedule, t0, now, window_s)
         leases.publish(limit_key(0), str(limit), ttl_s=2.0)
+        leases.publish(shed_key(0), str(limit), ttl_s=2.0)  # a drop aborts the excess at once
         if limit != last:
-            decisions.append({"t": now, "limit": limit, "shed": None, "reason": "oracle"})
+            decisions.append({"t": now, "limit": limit, "shed": limit, "reason": "oracle"})
             last = limit
         stop.wait(0.1)
 

@@ -232,6 +232,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--oracle-spread", type=float, default=SPREAD_S, help="a window's miss counts this far either side (s)"
     )
+    p.add_argument(
+        "--oracle-idle-limit", type=int, default=0, help="the oracle's limit where (a) is idle (0: the --ceiling)"
+    )
     p.add_argument("--duration", type=float, default=0.0, help="override the trace length (s)")
     p.add_argument(
         "--trace", default="agent", help="interactive trace: agent (default), lulls or ramp (bench/agent_trace.py)"
@@ -343,13 +346,14 @@ def main(argv: list[str] | None = None) -> None:
                 window_s=a.oracle_window,
                 lead_s=a.oracle_lead,
                 spread_s=a.oracle_spread,
+                idle_limit=a.oracle_idle_limit or a.ceiling,
             )
             print(
                 f"oracle schedule ({a.oracle_window:g} s windows, {a.oracle_lead:g} s lead, "
-                f"{a.oracle_spread:g} s spread): {schedule}",
+                f"{a.oracle_spread:g} s spread, {a.oracle_idle_limit or a.ceiling} when idle): {schedule}",
                 flush=True,
             )
-            results.append(summarize("o", "o", go("o", "o", max(sweep), schedule), slo))
+            results.append(summarize("o", "o", go("o", "o", max(schedule), schedule), slo))
             results[-1].extra["schedule"] = schedule
             _report(results[-1])
         if "c" in runs:

@@ -12,7 +12,9 @@ Choices, and why:
   in: its mean ITL is set by the batch load over its whole reply.
 - A window holds at a limit when it has no more SLO misses there than it had in (a). A window
   (a) itself missed in would otherwise hold nowhere, though batch load did not cause the miss.
-- A window with no interactive request holds at every swept limit (nothing there to hurt).
+- A window with no interactive request in (a) holds at any limit (nothing there to hurt), so it
+  gets `idle_limit` (the bound the controller has too), not just the largest swept one: capped
+  at the sweep, the oracle would lose to the controller in every lull.
 - The oracle lowers the limit `lead` windows ahead of need: lowering a limit sheds nothing, so
   batch requests admitted just before a burst run into it for a few seconds (their reply time).
   Knowing the trace in advance, the oracle can make room for it; the controller cannot.
@@ -21,7 +23,10 @@ Choices, and why:
   that limit through most of a burst (on the quick agent trace: 91% attainment, against 100%
   for (a)). A miss `spread` windows away at the same limit counts as this window's too: the
   load there is about the same, and the window passed by chance.
-- The schedule never exceeds the largest swept limit: the sweep is all the oracle knows.
+- Elsewhere the schedule never exceeds the largest swept limit: the sweep is all it knows.
+- The oracle run also publishes its limit as the shed target, as the controller does when it
+  cuts: a drop aborts the youngest batch requests above it (lost work, as for the controller),
+  rather than leaving a lull's many requests to run on into the next burst.
 """
 
 from __future__ import annotations
@@ -83,13 +88,21 @@ def oracle_schedule(
     sweep_misses: Mapping[int, Sequence[int]],
     lead_windows: int,
     spread_windows: int = 0,
+    *,
+    idle: Sequence[bool] = (),
+    idle_limit: int = 0,
 ) -> list[int]:
-    """The per-window lease limits the oracle run publishes."""
-    if any(len(m) != len(baseline_misses) for m in sweep_misses.values()):
+    """The per-window lease limits the oracle run publishes. `idle`: the windows (a) had no
+    interactive request in, which get `idle_limit` if that is above the sweep's own verdict."""
+    n = len(baseline_misses)
+    if any(len(m) != n for m in sweep_misses.values()) or (idle and len(idle) != n):
         raise ValueError("every run must be cut into the same windows")
     # Misses beyond (a)'s, spread to the neighbouring windows, against an allowance of none.
     spread = {c: spread_misses(m, baseline_misses, spread_windows) for c, m in sweep_misses.items()}
-    return with_lead(holding_limits([0] * len(baseline_misses), spread), lead_windows)
+    limits = holding_limits([0] * n, spread)
+    if idle:
+        limits = [max(limit, idle_limit) if quiet else limit for limit, quiet in zip(limits, idle, strict=True)]
+    return with_lead(limits, lead_windows)
 
 
 def schedule_from_runs(
@@ -100,15 +113,24 @@ def schedule_from_runs(
     window_s: float = WINDOW_S,
     lead_s: float = LEAD_S,
     spread_s: float = SPREAD_S,
+    idle_limit: int = 0,
 ) -> list[int]:
     """The oracle's schedule from raw harvest runs ((a) and the static sweep by limit)."""
     n_windows = math.ceil((baseline["t_end"] - baseline["t0"]) / window_s)
 
-    def misses(raw: dict[str, Any]) -> list[int]:
-        return window_misses(raw["interactive"]["requests"], raw["t0"], n_windows, meets, window_s)[1]
+    def cut(raw: dict[str, Any]) -> tuple[list[int], list[int]]:
+        return window_misses(raw["interactive"]["requests"], raw["t0"], n_windows, meets, window_s)
 
+    counts, base_misses = cut(baseline)
     lead, spread = math.ceil(lead_s / window_s), math.ceil(spread_s / window_s)
-    return oracle_schedule(misses(baseline), {c: misses(raw) for c, raw in sweep.items()}, lead, spread)
+    return oracle_schedule(
+        base_misses,
+        {c: cut(raw)[1] for c, raw in sweep.items()},
+        lead,
+        spread,
+        idle=[n == 0 for n in counts],
+        idle_limit=idle_limit,
+    )
 
 
 def limit_at(schedule: Sequence[int], t0: float, now: float, window_s: float = WINDOW_S) -> int:

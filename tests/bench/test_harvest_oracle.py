@@ -108,3 +108,23 @@ def test_spread_counts_only_misses_beyond_interactive_alone() -> None:
     assert spread_misses([0, 1, 0], baseline, 1) == [0, 0, 0]
     assert spread_misses([0, 2, 0], baseline, 1) == [1, 1, 1]
     assert oracle_schedule(baseline, {4: [0, 1, 0], 16: [0, 1, 0]}, 0, 1) == [16, 16, 16]
+
+
+def test_windows_idle_in_interactive_alone_get_the_idle_limit_ahead_of_the_next_burst() -> None:
+    baseline = [0, 0, 0, 0, 0, 0]
+    sweep = {4: [0] * 6, 16: [0, 0, 0, 0, 1, 1]}
+    idle = [False, True, True, True, False, False]
+    assert oracle_schedule(baseline, sweep, 1, 0, idle=idle, idle_limit=128) == [16, 128, 128, 4, 4, 4]
+    # An idle limit below the sweep's verdict lowers nothing.
+    assert oracle_schedule(baseline, sweep, 0, 0, idle=idle, idle_limit=8) == [16, 16, 16, 16, 4, 4]
+
+
+def test_idle_windows_come_from_interactive_alone() -> None:
+    t0 = 0.0
+
+    def raw(requests: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"t0": t0, "t_end": 4.0, "interactive": {"requests": requests}}
+
+    baseline = raw([req(0.1, 0.5), req(3.2, 3.5)])
+    sweep = {8: raw([req(0.1, 0.5), req(3.2, 3.5)])}
+    assert schedule_from_runs(baseline, sweep, ok, lead_s=0.0, spread_s=0.0, idle_limit=64) == [8, 64, 64, 8]
