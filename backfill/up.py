@@ -10,13 +10,15 @@ gets none of their lines, so nothing floods it) and the simulated fleet's run di
 Stopping: Ctrl-C (or SIGTERM) stops the components, each in a process group of its own (so the
 terminal's Ctrl-C reaches `up` alone, and a group signal reaches a worker's pool): SIGTERM, the
 worker's drains get their grace, then SIGKILL of whatever group is left. Signals that arrive
-meanwhile never cut the stop short: the second says what it waits for, the third SIGKILLs every
-component at once. A component whose `up` was SIGKILLed gets SIGTERM from the kernel (parent
+meanwhile never cut the stop short: the first says what it waits for, the second SIGKILLs every
+component at once; that holds however the stop began (a signal, a component that exited, a
+start-up that failed). A component whose `up` was SIGKILLed gets SIGTERM from the kernel (parent
 death signal); until it is gone its pid file (`run/`) keeps a new `up` off the same home.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import shutil
@@ -86,21 +88,27 @@ def _start_fleet(home: Path, *, workers: int, speedup: float) -> Any:
 
 
 class Stopping:
-    """The signal handler of `up`: the first SIGINT/SIGTERM starts the stop (KeyboardInterrupt);
-    once stopping, none raises again, so no stop is left half done: the second says what it
-    waits for, the third SIGKILLs every component (`kill_all`)."""
+    """The signal handler of `up`. A SIGINT/SIGTERM while running starts the stop
+    (KeyboardInterrupt); once stopping, however the stop began (that signal, or `begin` when a
+    component exited or start-up failed), none raises again, so no stop is left half done. The
+    signals received while stopping are counted: the first says what it waits for, the second
+    (and any after it) SIGKILLs every component (`kill_all`)."""
 
     def __init__(self) -> None:
         self.active = False
-        self.signals = 0
+        self.signals_while_stopping = 0
         self.kill_all: Callable[[], None] = lambda: None
 
+    def begin(self) -> None:
+        """The stop starts (or has started): from now on a signal never raises."""
+        self.active = True
+
     def __call__(self, *_: object) -> None:
-        self.signals += 1
         if not self.active:
             self.active = True
             raise KeyboardInterrupt
-        if self.signals == 2:
+        self.signals_while_stopping += 1
+        if self.signals_while_stopping == 1:
             _say(f"still stopping (the worker's drains have up to {STOP_GRACE_S:.0f} s); once more kills everything")
         else:
             _say("killing every component (SIGKILL)")
@@ -115,14 +123,21 @@ def _say(line: str) -> None:
         pass
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when `up` dies, even by SIGKILL (Linux); and take
-    the signals `up` blocks while it starts the child (a mask survives exec) off its mask."""
-    from backfill.devfleet.processes import _LIBC
+def _die_with_parent(libc: ctypes.CDLL | None) -> Callable[[], None]:
+    """What the child runs before exec: SIGTERM it when `up` dies, even by SIGKILL (Linux); and
+    take the signals `up` blocks while it starts the child (a mask survives exec) off its mask.
+    `libc` is loaded in the parent: between fork and exec the child must not import (the import
+    lock may be held by a thread that does not exist in the child) nor load a library."""
 
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-    if _LIBC is not None:
-        _LIBC.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    prctl = libc.prctl if libc is not None else None  # (the symbol looked up here, too)
+    deathsig = int(signal.SIGTERM)
+
+    def in_child() -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        if prctl is not None:
+            prctl(1, deathsig)  # PR_SET_PDEATHSIG
+
+    return in_child
 
 
 def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
@@ -136,47 +151,30 @@ def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
 def _components(
     env: dict[str, str], logs: Path, port: int, stopping: Stopping
 ) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
-    from backfill.up_lock import forget, record
+    from backfill.devfleet.processes import _LIBC
+    from backfill.up_lock import forget
 
-    exe = [sys.executable, "-m", "backfill"]
-    args = {"worker": ["worker"], "scheduler": ["scheduler"], "api": ["api", "--port", str(port)]}
     run_dir = Path(env["BACKFILL_HOME"]) / "run"
     files: list[IO[bytes]] = []
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
-        with (logs / "migrate.log").open("wb") as out:
-            done = subprocess.run([*exe, "migrate"], env=env, stdout=out, stderr=subprocess.STDOUT)
-        if done.returncode:
-            _report_failure("migrate", logs)
-            raise typer.Exit(1)
-        for name in COMPONENTS:
-            files.append((logs / f"{name}.log").open("wb"))
-            # A signal waits until the process is started and on record: none is lost track of.
-            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-            try:
-                procs[name] = subprocess.Popen(
-                    [*exe, *args[name]],
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=files[-1],
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    preexec_fn=_die_with_parent,
-                )
-                record(run_dir, name, procs[name].pid)
-            finally:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-        fleet_kill = stopping.kill_all
+        try:
+            _start(env, logs, port, run_dir, files, procs, in_child=_die_with_parent(_LIBC))
+            fleet_kill = stopping.kill_all
 
-        def kill_all() -> None:
-            for p in procs.values():
-                _signal_group(p, signal.SIGKILL)
-            fleet_kill()
+            def kill_all() -> None:
+                for p in procs.values():
+                    _signal_group(p, signal.SIGKILL)
+                fleet_kill()
 
-        stopping.kill_all = kill_all
-        yield procs
+            stopping.kill_all = kill_all
+            yield procs
+        finally:
+            # A `finally` of its own, before the stop: a signal landing here before `begin`
+            # raises once (the handler begins the stop as it raises), so the stop below is
+            # reached with every later signal harmless and is never left half done.
+            stopping.begin()
     finally:
-        stopping.active = True  # from here on a signal never interrupts the stop
         for p in procs.values():
             _signal_group(p, signal.SIGTERM)  # the group: a worker's pool hears it too
         deadline = time.monotonic() + STOP_GRACE_S
@@ -191,6 +189,46 @@ def _components(
             forget(run_dir, name)
         for f in files:
             f.close()
+
+
+def _start(
+    env: dict[str, str],
+    logs: Path,
+    port: int,
+    run_dir: Path,
+    files: list[IO[bytes]],
+    procs: dict[str, subprocess.Popen[bytes]],
+    *,
+    in_child: Callable[[], None],
+) -> None:
+    """Migrate, then start the components into `procs` (their logs open in `files`), so the
+    caller stops whatever was started if this raises."""
+    from backfill.up_lock import record
+
+    exe = [sys.executable, "-m", "backfill"]
+    args = {"worker": ["worker"], "scheduler": ["scheduler"], "api": ["api", "--port", str(port)]}
+    with (logs / "migrate.log").open("wb") as out:
+        done = subprocess.run([*exe, "migrate"], env=env, stdout=out, stderr=subprocess.STDOUT)
+    if done.returncode:
+        _report_failure("migrate", logs)
+        raise typer.Exit(1)
+    for name in COMPONENTS:
+        files.append((logs / f"{name}.log").open("wb"))
+        # A signal waits until the process is started and on record: none is lost track of.
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            procs[name] = subprocess.Popen(
+                [*exe, *args[name]],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=files[-1],
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=in_child,
+            )
+            record(run_dir, name, procs[name].pid)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def _report_failure(name: str, logs: Path) -> None:
@@ -296,39 +334,41 @@ def run_up(*, port: int, fleet_workers: int, speedup: float) -> None:
     clear_metrics_dir(metrics_dir())
     fleet = None
     try:
-        fleet_line = s.fleet_urls
-        if not s.fleet_url_list:
-            typer.echo("starting the simulated fleet (Dynamo frontend + mocker); the first run installs it…")
-            fleet = _start_fleet(home, workers=fleet_workers, speedup=speedup)
-            stopping.kill_all = fleet.kill_now
-            env["BACKFILL_FLEET_URLS"] = fleet.base_url
-            fleet_line = f"{fleet.base_url}   (simulated: Dynamo frontend + {fleet_workers} mocker workers)"
-            # The simulated fleet's own telemetry, so the capacity controller (on by default, `auto`)
-            # steers on it as it would on a production fleet (BACKFILL_CAPACITY_CONTROL=off: fixed).
-            env.setdefault(
-                "BACKFILL_FLEET_METRICS_URLS",
-                ",".join(
-                    [
-                        f"frontend={fleet.frontend_metrics_url}",
-                        *(f"{w.role}={w.url}" for w in fleet.worker_metrics_urls),
-                    ]
-                ),
-            )
-        if not s.bootstrap_api_key:
-            env["BACKFILL_BOOTSTRAP_API_KEY"] = bootstrap_key(home)
-        key = env.get("BACKFILL_BOOTSTRAP_API_KEY", "")
-        origin = f"http://127.0.0.1:{port}"
-        with _components(env, logs, port, stopping) as procs:
-            try:
-                _wait_ready(origin, procs, logs)
-                _banner(base=f"{origin}/v1", origin=origin, key=key, fleet=fleet_line, home=home, logs=logs)
-                _watch(procs, logs)
-            except KeyboardInterrupt:
-                typer.echo("stopping…")
-    except KeyboardInterrupt:
-        typer.echo("stopping…")
+        try:
+            fleet_line = s.fleet_urls
+            if not s.fleet_url_list:
+                typer.echo("starting the simulated fleet (Dynamo frontend + mocker); the first run installs it…")
+                fleet = _start_fleet(home, workers=fleet_workers, speedup=speedup)
+                stopping.kill_all = fleet.kill_now
+                env["BACKFILL_FLEET_URLS"] = fleet.base_url
+                fleet_line = f"{fleet.base_url}   (simulated: Dynamo frontend + {fleet_workers} mocker workers)"
+                # The simulated fleet's own telemetry, so the capacity controller (on by default, `auto`)
+                # steers on it as it would on a production fleet (BACKFILL_CAPACITY_CONTROL=off: fixed).
+                env.setdefault(
+                    "BACKFILL_FLEET_METRICS_URLS",
+                    ",".join(
+                        [
+                            f"frontend={fleet.frontend_metrics_url}",
+                            *(f"{w.role}={w.url}" for w in fleet.worker_metrics_urls),
+                        ]
+                    ),
+                )
+            if not s.bootstrap_api_key:
+                env["BACKFILL_BOOTSTRAP_API_KEY"] = bootstrap_key(home)
+            key = env.get("BACKFILL_BOOTSTRAP_API_KEY", "")
+            origin = f"http://127.0.0.1:{port}"
+            with _components(env, logs, port, stopping) as procs:
+                try:
+                    _wait_ready(origin, procs, logs)
+                    _banner(base=f"{origin}/v1", origin=origin, key=key, fleet=fleet_line, home=home, logs=logs)
+                    _watch(procs, logs)
+                except KeyboardInterrupt:
+                    typer.echo("stopping…")
+        except KeyboardInterrupt:
+            typer.echo("stopping…")
+        finally:
+            stopping.begin()  # (as in `_components`: a signal from here on never raises)
     finally:
-        stopping.active = True
         if fleet is not None:
             fleet.stop()
         forget(run_dir, "up")
