@@ -3,6 +3,11 @@
 Aggregation happens in the database (a ledger row per request, or per minute once its batch is
 rolled up: `requests` counts them); buckets are counted in whole seconds from `start`, which
 callers align to the bucket width.
+
+Usage is resolved to the minute: a rolled-up row stands at the start of its minute for every
+line of that minute, so a query that ends inside a minute would count that minute's lines before
+the rollup only up to its end and all of them after. Queries therefore end on a whole minute
+(`resolved_end`: the end rounds up), and their totals never change when the rollup runs.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from sqlalchemy.orm import Session
 from backfill.jobs.billing_models import UsageLedgerEntry
 
 BUCKET_WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}
+# The finest time a total can be asked for: the width of a rolled-up ledger row (jobs.ledger_rollup).
+RESOLUTION_S = 60
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
@@ -45,6 +52,12 @@ def align(moment: datetime, width_s: int) -> datetime:
     """The start of the bucket holding `moment`, on the UTC epoch grid (days start at 00:00 UTC)."""
     seconds = int((moment - EPOCH).total_seconds())
     return EPOCH + timedelta(seconds=seconds - seconds % width_s)
+
+
+def resolved_end(end: datetime) -> datetime:
+    """`end` rounded up to a whole minute (unchanged when it is one): where a usage query ends."""
+    floor = align(end, RESOLUTION_S)
+    return floor if floor == end else floor + timedelta(seconds=RESOLUTION_S)
 
 
 def epoch_seconds(session: Session) -> ColumnElement[int]:

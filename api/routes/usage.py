@@ -25,7 +25,7 @@ from backfill.api.wire import ts
 from backfill.jobs.errors import InvalidRequest
 from backfill.jobs.models import utcnow
 from backfill.jobs.teams import Principal
-from backfill.jobs.usage import BUCKET_WIDTHS, UsageTotals, align, usage_totals
+from backfill.jobs.usage import BUCKET_WIDTHS, UsageTotals, align, resolved_end, usage_totals
 
 router = APIRouter(prefix="/v1/organization", tags=["usage"], responses=error_responses(*COMMON_ERRORS))
 
@@ -65,6 +65,9 @@ def _window(start_time: int, end_time: int | None, width_s: int, limit: int, pag
             raise InvalidRequest(f"'{name}' must be before {LATEST:%Y-%m-%d} (Unix time {ts(LATEST)}).", param=name)
     if end <= start:
         raise InvalidRequest("'end_time' must be after 'start_time'.", param="end_time")
+    # Usage is resolved to the minute (rolled-up ledger rows stand at the start of their
+    # minute): the end rounds up to one, so the answer is the same before and after a rollup.
+    end = resolved_end(end)
     if page is not None:
         # ASCII digits only: str.isdigit() also says yes to "²", which int() refuses.
         cursor = int(page) if page.isascii() and page.isdigit() and len(page) <= 12 else -1
