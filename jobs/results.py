@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import cast
 
 import orjson
-from sqlalchemy import Integer, String, Table, Text, column, update, values
+from sqlalchemy import Integer, String, Table, Text, TextClause, bindparam, text, update
 from sqlalchemy.orm import Session
 
 from backfill.jobs.billing import record_usage
@@ -106,8 +106,8 @@ def record_outcomes(session: Session, *, claim_token: str, results: Sequence[tup
 def _write_results(session: Session, claim_token: str, rows: list[tuple[object, ...]]) -> set[tuple[str, int]]:
     """Write the answers on the lines `claim_token` still holds; returns those lines.
 
-    On Postgres one statement for the group, not one per line: the answers as a VALUES list
-    joined to their rows (a drain's CPU per line is mostly per-statement work). The claim's
+    On Postgres one statement for the group, not one per line: the answers as arrays
+    unnested and joined to their rows (a drain's CPU per line is mostly per-statement work). The claim's
     compare-and-set stays per row (state and token in the WHERE); RETURNING says which lines
     matched. SQLite (tests, embedded mode) has no column list on VALUES: one UPDATE a line."""
     table = cast(Table, BatchRequest.__table__)
@@ -125,11 +125,29 @@ def _write_results(session: Session, claim_token: str, rows: list[tuple[object, 
             if result.rowcount == 1:  # type: ignore[attr-defined]
                 owned.add((batch_id, line))
         return owned
-    given = values(*(column(name, type_) for name, type_ in _GIVEN), name="given").data(rows)
-    stmt = (
-        update(table)
-        .where(table.c.batch_id == given.c.batch_id, table.c.line == given.c.line, *held)
-        .values({**{name: given.c[name] for name, _ in _GIVEN[2:]}, **done})
-        .returning(table.c.batch_id, table.c.line)
+    # One array per column, unnested: the statement's text is the same for every group size, so
+    # it is compiled once and prepared by the server, not rendered afresh with a VALUES row each.
+    columns = {name: [row[k] for row in rows] for k, (name, _) in enumerate(_GIVEN)}
+    found = session.execute(
+        _RECORD_GROUP, {**columns, "finished_at": done["finished_at"], "claim_token": claim_token}
     )
-    return {(str(b), int(n)) for b, n in session.execute(stmt)}
+    return {(str(b), int(n)) for b, n in found}
+
+
+def _record_group_statement() -> TextClause:
+    """`_write_results`'s Postgres statement: the answers unnested from one array per column,
+    joined to their rows, the claim's compare-and-set per row, RETURNING the lines it held."""
+    sql_type = {"String": "varchar", "Integer": "integer", "Text": "text"}
+    arrays = ", ".join(f"CAST(:{name} AS {sql_type[type(t).__name__]}[])" for name, t in _GIVEN)
+    names = ", ".join(name for name, _ in _GIVEN)
+    sets = ", ".join(f"{name} = given.{name}" for name, _ in _GIVEN[2:])
+    return text(
+        f"UPDATE batch_requests SET {sets}, finished_at = :finished_at, claim_token = NULL "
+        f"FROM unnest({arrays}) AS given({names}) "
+        "WHERE batch_requests.batch_id = given.batch_id AND batch_requests.line = given.line "
+        f"AND batch_requests.state = '{RequestState.running.value}' AND batch_requests.claim_token = :claim_token "
+        "RETURNING batch_requests.batch_id, batch_requests.line"
+    ).bindparams(bindparam("finished_at", type_=BatchRequest.__table__.c.finished_at.type))
+
+
+_RECORD_GROUP = _record_group_statement()
