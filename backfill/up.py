@@ -259,6 +259,20 @@ def _wait_ready(origin: str, procs: dict[str, subprocess.Popen[bytes]], logs: Pa
     raise typer.Exit(1)
 
 
+def _port_free(port: int) -> bool:
+    """Whether the API can listen on 127.0.0.1:port (checked before anything starts, so a port
+    in use is said plainly instead of a banner for someone else's server)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no obstacle
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def _models(base: str, key: str) -> str:
     try:
         r = httpx.get(f"{base}/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
@@ -277,7 +291,8 @@ def _banner(*, base: str, origin: str, key: str, fleet: str, home: Path, logs: P
     typer.echo(f"  metrics  : {origin}/metrics   ready: {origin}/ready")
     typer.echo(f"  state    : {home}   (logs in {logs})")
     typer.echo(
-        f'  try      : OPENAI_BASE_URL={base} OPENAI_API_KEY={key} python -c "import openai; print(openai.OpenAI().models.list())"'
+        f"  try      : OPENAI_BASE_URL={base} OPENAI_API_KEY={key} {sys.executable} -c"
+        ' "import openai; print(openai.OpenAI().models.list())"'
     )
     typer.echo("Ctrl-C stops everything. Batch events:\n")
 
@@ -318,8 +333,17 @@ def run_up(*, port: int, fleet_workers: int, speedup: float) -> None:
     run_dir = home / "run"
     if held := holders(run_dir):
         names = ", ".join(f"{h.name} (PID {h.pid})" for h in held)
+        # Stop the earlier `up` itself (it stops the rest); a component left alone is killed by its PID.
+        first = next((h for h in held if h.name == "up"), held[0])
+        how = f"kill -INT {first.pid}" if first.name == "up" else f"kill {first.pid}"
         typer.secho(
-            f"BACKFILL_HOME={home} is still held by an earlier `backfill up`: {names}; stop it (kill {held[0].pid}) first",
+            f"BACKFILL_HOME={home} is still held by an earlier `backfill up`: {names}; stop it ({how}) first",
+            fg=typer.colors.RED,
+        )
+        raise typer.Exit(1)
+    if not _port_free(port):
+        typer.secho(
+            f"port {port} is in use on 127.0.0.1: start on another one with `backfill up --port N`",
             fg=typer.colors.RED,
         )
         raise typer.Exit(1)
@@ -337,7 +361,12 @@ def run_up(*, port: int, fleet_workers: int, speedup: float) -> None:
         try:
             fleet_line = s.fleet_urls
             if not s.fleet_url_list:
-                typer.echo("starting the simulated fleet (Dynamo frontend + mocker); the first run installs it…")
+                from backfill.devfleet.install import default_venv_dir, is_dynamo_venv_ready
+
+                first = (
+                    "" if is_dynamo_venv_ready(default_venv_dir()) else " (installing it first: a few minutes, once)"
+                )
+                typer.echo(f"starting the simulated fleet (Dynamo frontend + mocker){first}…")
                 fleet = _start_fleet(home, workers=fleet_workers, speedup=speedup)
                 stopping.kill_all = fleet.kill_now
                 env["BACKFILL_FLEET_URLS"] = fleet.base_url
