@@ -13,6 +13,13 @@ shape (the keys of the line, its response, its body, a choice, the message and t
 Lines carry `ignore_eos` and a fixed `max_tokens`, so both runs generate the same token count.
 
     .venv/bin/python -m bench.runbatch --lines 5000 20000
+    .venv/bin/python -m bench.runbatch --lines 2000 --pin 0:1   # engine on core 0, backfill on 1
+
+With `--pin ENGINE:BACKFILL` (taskset's core lists) the engine (run-batch, or the server and
+its engine core) runs on the first cores and backfill's processes (and this client) on the
+second, so neither runner's engine shares its cores with anything. Each run also reports the
+engine's mean running sequences (`vllm:num_requests_running`, sampled from its metrics over the
+busy window): how full each runner kept the engine.
 
 Last line: `runbatch: lines=N backfill_s=.. runbatch_s=.. ratio=..` (backfill_s / runbatch_s,
 for the last size; one such line is printed per size).
@@ -21,6 +28,7 @@ for the last size; one such line is printed per size).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -29,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.engine_gauge import RunningGauge, parse_cores, pinned
 
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/6")
 
@@ -87,18 +97,31 @@ def compare(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[st
 
 
 def run_vllm_batch(
-    python: Path, engine_args: list[str], lines: list[dict[str, Any]], workdir: Path
-) -> tuple[float, list[dict[str, Any]]]:
+    python: Path,
+    engine_args: list[str],
+    lines: list[dict[str, Any]],
+    workdir: Path,
+    *,
+    cores: set[int] | None = None,
+) -> tuple[float, list[dict[str, Any]], float]:
+    """vLLM's runner on the file: its time, its output and its mean running sequences."""
+    from backfill.devfleet.processes import LOOPBACK, free_port
     from backfill.devfleet.vllm import server_env
     from backfill.devfleet.vllm_install import RUN_BATCH_MODULE
 
     src, dst = workdir / "in.jsonl", workdir / "out.jsonl"
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     dst.unlink(missing_ok=True)
+    port = free_port()
+    metrics = ["--enable-metrics", "--host", LOOPBACK, "--port", str(port)]
     started = time.perf_counter()
-    with open(workdir / "run-batch.log", "ab") as log:
+    with (
+        open(workdir / "run-batch.log", "ab") as log,
+        pinned(cores),
+        RunningGauge(f"http://{LOOPBACK}:{port}/metrics") as gauge,
+    ):
         rc = subprocess.call(
-            [str(python), "-m", RUN_BATCH_MODULE, "-i", str(src), "-o", str(dst), *engine_args],
+            [str(python), "-m", RUN_BATCH_MODULE, "-i", str(src), "-o", str(dst), *metrics, *engine_args],
             env=server_env(),
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -107,7 +130,7 @@ def run_vllm_batch(
     if rc != 0:
         tail = (workdir / "run-batch.log").read_text(errors="replace")[-3000:]
         raise RuntimeError(f"vllm run-batch failed (rc={rc}):\n{tail}")
-    return elapsed, [json.loads(x) for x in dst.read_text().splitlines() if x.strip()]
+    return elapsed, [json.loads(x) for x in dst.read_text().splitlines() if x.strip()], gauge.busy_mean()
 
 
 def through_backfill(base_url: str, key: str, lines: list[dict[str, Any]]) -> tuple[float, list[dict[str, Any]]]:
@@ -134,7 +157,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--inflight", type=int, default=128, help="backfill's bound on requests in flight")
     ap.add_argument("--engine-arg", action="append", default=[], help="extra engine argument for both runs")
+    ap.add_argument("--pin", default="", help="ENGINE:BACKFILL core lists (taskset form), e.g. 0:1")
     args = ap.parse_args()
+    engine_cores = backfill_cores = None
+    if args.pin:
+        engine_spec, _, backfill_spec = args.pin.partition(":")
+        engine_cores, backfill_cores = parse_cores(engine_spec), parse_cores(backfill_spec)
+        # vLLM's CPU backend binds its OpenMP threads itself: to the engine's cores only.
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine_spec
 
     from backfill.devfleet.stack import launch_stack
     from backfill.devfleet.vllm import VllmServer
@@ -150,8 +180,10 @@ def main() -> None:
         # vLLM's runner first, alone on the cores; then the server and backfill.
         theirs = {}
         for n in args.lines:
-            theirs[n] = run_vllm_batch(python, engine_args, make_lines(n, MODEL_NAME, args.max_tokens), work)
-            print(f"run-batch {n} lines: {theirs[n][0]:.1f} s", flush=True)
+            theirs[n] = run_vllm_batch(
+                python, engine_args, make_lines(n, MODEL_NAME, args.max_tokens), work, cores=engine_cores
+            )
+            print(f"run-batch {n} lines: {theirs[n][0]:.1f} s, running {theirs[n][2]:.1f}", flush=True)
         settings = {
             "BACKFILL_MAX_INFLIGHT": str(args.inflight),
             "BACKFILL_MAX_REQUESTS_PER_BATCH": str(max(args.lines)),
@@ -160,7 +192,10 @@ def main() -> None:
             "BACKFILL_CAPACITY_CONTROL": "false",
             "BACKFILL_LOG_LEVEL": "WARNING",
         }
-        with server:
+        with contextlib.ExitStack() as serving:
+            with pinned(engine_cores):  # the server and its engine core inherit the engine's cores
+                serving.enter_context(server)
+            serving.enter_context(pinned(backfill_cores))
             print(f"vllm serve ready in {server.startup_s:.0f} s", flush=True)
             with launch_stack(
                 work / "stack",
@@ -172,24 +207,31 @@ def main() -> None:
             ) as stack:
                 through_backfill(stack.base_url, stack.key, make_lines(50, MODEL_NAME, args.max_tokens))  # warm-up
                 for n in args.lines:
-                    ours_s, ours = through_backfill(
-                        stack.base_url, stack.key, make_lines(n, MODEL_NAME, args.max_tokens)
-                    )
-                    theirs_s, theirs_out = theirs[n]
+                    with RunningGauge(server.metrics_url) as gauge:
+                        ours_s, ours = through_backfill(
+                            stack.base_url, stack.key, make_lines(n, MODEL_NAME, args.max_tokens)
+                        )
+                    theirs_s, theirs_out, theirs_running = theirs[n]
                     problems = compare(ours, theirs_out)
-                    rows.append((n, ours_s, theirs_s, problems))
-                    print(f"backfill {n} lines: {ours_s:.1f} s", flush=True)
+                    rows.append((n, ours_s, theirs_s, problems, gauge.busy_mean(), theirs_running))
+                    print(f"backfill {n} lines: {ours_s:.1f} s, running {gauge.busy_mean():.1f}", flush=True)
 
-    print(f"max_tokens={args.max_tokens} inflight={args.inflight} cores={os.cpu_count()}")
-    print("| lines | backfill s | backfill req/s | run-batch s | run-batch req/s | equivalent |")
-    print("|---|---|---|---|---|---|")
-    for n, ours_s, theirs_s, problems in rows:
+    pin = f" pin={args.pin}" if args.pin else ""
+    print(f"max_tokens={args.max_tokens} inflight={args.inflight} cores={os.cpu_count()}{pin}")
+    print(
+        "| lines | backfill s | backfill req/s | backfill running | run-batch s | run-batch req/s | run-batch running | equivalent |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for n, ours_s, theirs_s, problems, ours_running, theirs_running in rows:
         print(
-            f"| {n} | {ours_s:.1f} | {n / ours_s:.1f} | {theirs_s:.1f} | {n / theirs_s:.1f} | "
-            f"{'yes' if not problems else '; '.join(problems)} |"
+            f"| {n} | {ours_s:.1f} | {n / ours_s:.1f} | {ours_running:.1f} | {theirs_s:.1f} | {n / theirs_s:.1f} | "
+            f"{theirs_running:.1f} | {'yes' if not problems else '; '.join(problems)} |"
         )
-    for n, ours_s, theirs_s, _ in rows:
-        print(f"runbatch: lines={n} backfill_s={ours_s:.1f} runbatch_s={theirs_s:.1f} ratio={ours_s / theirs_s:.2f}")
+    for n, ours_s, theirs_s, _, ours_running, theirs_running in rows:
+        print(
+            f"runbatch: lines={n} backfill_s={ours_s:.1f} runbatch_s={theirs_s:.1f} ratio={ours_s / theirs_s:.2f} "
+            f"backfill_running={ours_running:.1f} runbatch_running={theirs_running:.1f}"
+        )
 
 
 if __name__ == "__main__":
