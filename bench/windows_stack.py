@@ -57,7 +57,7 @@ class Plan:
     short_lines: int = 60
     long_batches: int = 2
     long_lines: int = 150
-    sessions: int = 10  # agent sessions in flight, steadily
+    sessions: int = 13  # agent sessions in flight, steadily
     extra: int = 8  # BACKFILL_ESCALATION_INFLIGHT in the escalating run
     overflow_inflight: int = 16
 
@@ -79,6 +79,7 @@ class RunFigures:
     interactive_requests: int
     mean_limit: float
     statuses: dict[str, int]
+    by_window: dict[str, str]  # window -> "in_window/batches"
 
     @property
     def overflow_share(self) -> float:
@@ -213,8 +214,12 @@ def run_policy(
                         overflow_lines += 1
         reqs = json.loads(inter_out.read_text())["requests"]
         statuses: dict[str, int] = {}
+        by_window: dict[str, list[int]] = {}
         for b in final:
             statuses[b.status] = statuses.get(b.status, 0) + 1
+            made = by_window.setdefault(b.completion_window, [0, 0])
+            made[0] += b.status == "completed" and b.completed_at <= b.expires_at
+            made[1] += 1
         return RunFigures(
             policy=policy,
             batches=len(final),
@@ -226,6 +231,7 @@ def run_policy(
             interactive_requests=len(reqs),
             mean_limit=sum(sampler.samples) / len(sampler.samples) if sampler.samples else 0.0,
             statuses=statuses,
+            by_window={w: f"{made}/{n}" for w, (made, n) in by_window.items()},
         )
 
 
@@ -301,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(
                     f"{policy}: batches={f.batches} in_window={f.in_window} expired={f.expired} "
                     f"overflow_share={f.overflow_share:.3f} slo_attainment={f.attainment:.3f} "
-                    f"({f.interactive_requests} interactive) mean_limit={f.mean_limit:.1f} {f.statuses}",
+                    f"({f.interactive_requests} interactive) mean_limit={f.mean_limit:.1f} in_window_by_window={f.by_window}",
                     flush=True,
                 )
         finally:
