@@ -363,10 +363,8 @@ def run_up(*, port: int, fleet_workers: int, speedup: float) -> None:
             if not s.fleet_url_list:
                 from backfill.devfleet.install import default_venv_dir, is_dynamo_venv_ready
 
-                first = (
-                    "" if is_dynamo_venv_ready(default_venv_dir()) else " (installing it first: a few minutes, once)"
-                )
-                typer.echo(f"starting the simulated fleet (Dynamo frontend + mocker){first}…")
+                installing = "" if is_dynamo_venv_ready(default_venv_dir()) else " (installing it first, once: minutes)"
+                typer.echo(f"starting the simulated fleet (Dynamo frontend + mocker){installing}…")
                 fleet = _start_fleet(home, workers=fleet_workers, speedup=speedup)
                 stopping.kill_all = fleet.kill_now
                 env["BACKFILL_FLEET_URLS"] = fleet.base_url
