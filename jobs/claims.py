@@ -93,7 +93,8 @@ def claim_requests(
     lines = footprint.admit(picked, kv_budget_tokens)
     if not lines:
         return []
-    session.execute(
+    # One round trip: the compare-and-set and the claimed lines' columns (no ORM rows to build).
+    returned = session.execute(
         update(BatchRequest)
         .where(
             BatchRequest.batch_id == batch_id,
@@ -101,18 +102,18 @@ def claim_requests(
             BatchRequest.state == RequestState.pending,
         )
         .values(state=RequestState.running, claim_token=claim_token, claimed_at=now)
-        .execution_options(synchronize_session=False)
-    )
-    rows = session.execute(
-        select(BatchRequest)
-        .where(
-            BatchRequest.batch_id == batch_id,
-            BatchRequest.line.in_(lines),
-            BatchRequest.claim_token == claim_token,
-            BatchRequest.state == RequestState.running,
+        .returning(
+            BatchRequest.line,
+            BatchRequest.custom_id,
+            BatchRequest.offset,
+            BatchRequest.length,
+            BatchRequest.attempts,
+            BatchRequest.token_estimate,
+            BatchRequest.prefix_rank,
         )
-        .order_by(BatchRequest.prefix_rank, BatchRequest.line)
-    ).scalars()
+        .execution_options(synchronize_session=False)
+    ).all()
+    rows = sorted(returned, key=lambda r: (r.prefix_rank, r.line))  # RETURNING keeps no order
     key = file_key(batch.team_id, batch.input_file_id)
     return [
         ClaimedRequest(
