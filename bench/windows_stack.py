@@ -177,7 +177,7 @@ def run_policy(
     from bench.harvest import meets
 
     settings = stack_settings(plan, fleet=fleet, slo=slo, overflow_url=overflow_url)
-    with launch_stack(workdir / policy, settings=settings, s3=s3, fleet_url=fleet.base_url, name="windows") as stack:
+    with launch_stack(workdir / policy, settings=settings, s3=s3, fleet_url=fleet.base_url, name="winbench") as stack:
         client = openai.OpenAI(base_url=stack.base_url, api_key=stack.key, max_retries=2, timeout=60)
         sampler = LimitSampler(stack.redis_url)
         sampler.start()
