@@ -78,7 +78,10 @@ def _server_errors(command: Callable[P, R]) -> Callable[P, R]:
         except openai.APIStatusError as exc:
             body = exc.body
             message = body.get("message") if isinstance(body, dict) else None
+            param = body.get("param") if isinstance(body, dict) else None
             text = " ".join(str(message or exc.message).split())
+            if isinstance(param, str) and param and param not in text:
+                text += f" ({param})"  # which field, when the message does not say
             raise _fail(f"{exc.status_code} {text}", 2) from None
         except openai.APIConnectionError as exc:
             raise _fail(f"cannot reach {exc.request.url}: {exc}", 2) from None
