@@ -177,6 +177,7 @@ def test_poison_line_goes_to_the_error_file(
     poison = chat_line(9999, max_tokens=20000, prefix="poison ")
     load = submit(teams[:1], "poison", per_batch=20, per_team=1, extra=[poison])
     (batch_id,) = load.db_ids
+    prompt = poison["body"]["messages"][0]["content"]
 
     def poison_alone_in_flight() -> bool:
         rows = sql(faults_db, "SELECT custom_id, state FROM batch_requests WHERE batch_id = %s", batch_id)
@@ -197,7 +198,13 @@ def test_poison_line_goes_to_the_error_file(
     while poison_row()[0] != "failed":
         assert kills < MAX_ATTEMPTS, "the poison line kept coming back"
         wait_until("the poison line runs alone", poison_alone_in_flight, timeout_s=90)
-        time.sleep(0.5)  # well into its request
+        # Its request has reached the fleet (a loaded worker may take a while from claim to send).
+        wait_until(
+            "the poison line reaches the fleet",
+            lambda k=kills: send_counter.sends[prompt] > k,
+            timeout_s=60,
+            every_s=0.05,
+        )
         fstack.kill("worker")
         kills += 1
         fstack.start("worker")
@@ -215,7 +222,7 @@ def test_poison_line_goes_to_the_error_file(
         report=fault_report,
         finished_at_clear=None,
     )
-    assert kills == MAX_ATTEMPTS and send_counter.sends[poison["body"]["messages"][0]["content"]] == MAX_ATTEMPTS
+    assert kills == MAX_ATTEMPTS and send_counter.sends[prompt] == MAX_ATTEMPTS
     client, _ = load.batches[next(iter(load.batches))]
     b = client.batches.retrieve(next(iter(load.batches)))
     (err,) = read_lines(client, b.error_file_id)
