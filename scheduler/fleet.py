@@ -64,6 +64,11 @@ class _ReplyTooLarge(Exception):
     pass
 
 
+def _seen(done: asyncio.Future[Permit]) -> None:
+    if not done.cancelled():
+        done.exception()
+
+
 class FleetClient:
     def __init__(
         self,
@@ -96,6 +101,7 @@ class FleetClient:
             if overflow_api_key
         }
         self._turn = itertools.count()
+        self._asking: dict[int, asyncio.Future[Permit]] = {}  # a breaker's question in flight
         self._timeout_s = timeout_s
         self._body_idle_s = min(body_idle_timeout_s, timeout_s)
         self._open_wait_s = open_wait_s
@@ -176,11 +182,37 @@ class FleetClient:
             i = (start + k) % n
             if i in skip:
                 continue
-            permit = await self.breakers[i].allow()
+            permit = await self._allow(i)
             if permit.allowed:
                 return (i, permit), 0.0
             soonest = min(soonest, permit.retry_after_s)
         return None, soonest
+
+    async def _allow(self, i: int) -> Permit:
+        """Ask deployment i's breaker, sharing a question already in flight: a claim launches
+        its lines at once, and each would otherwise ask Redis the same thing in the same
+        millisecond. Only a plain pass is shared (the circuit closed: it was read while this
+        call was already waiting, as if asked just before); a probe is one caller's alone, and a
+        refusal is asked again, so the half-open state still lets one call through at a time."""
+        if self._redis is None:  # a breaker in this process answers at once: nothing to share
+            return await self.breakers[i].allow()
+        shared = self._asking.get(i)
+        if shared is not None:
+            try:
+                # Shielded: a caller shed meanwhile must not cancel the question for the others.
+                permit = await asyncio.shield(shared)
+            except Exception:  # noqa: BLE001 - the asker's failure is its own; ask afresh below
+                permit = Permit(False)
+            if permit.allowed and not permit.probe:
+                return permit
+        asked = asyncio.ensure_future(self.breakers[i].allow())
+        asked.add_done_callback(_seen)  # its failure is retrieved even if every asker was shed
+        self._asking[i] = asked
+        try:
+            return await asyncio.shield(asked)
+        finally:
+            if self._asking.get(i) is asked:
+                del self._asking[i]
 
     async def _report(self, i: int, permit: Permit, reply: FleetReply) -> None:
         failed = reply.transient and reply.status_code >= 500
