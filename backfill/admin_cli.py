@@ -9,14 +9,14 @@ from __future__ import annotations
 import csv
 import json
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from datetime import datetime, timedelta
-from functools import wraps
 from typing import TYPE_CHECKING, Annotated, Any, ParamSpec, TypeVar
 
 import typer
 
+from backfill.admin_common import admin_session as _session
+from backfill.admin_common import domain_errors as _domain_errors
+from backfill.admin_common import emit_rows as _emit
 from backfill.prices_windows import prices_windows
 
 if TYPE_CHECKING:
@@ -39,54 +39,8 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts
 TeamArg = Annotated[str, typer.Argument(help="Team name or id.")]
 
 
-@contextmanager
-def _session() -> Iterator[Session]:
-    from backfill.storage.db import unit_of_work
-    from backfill.storage.settings import get_settings
-
-    if get_settings().embedded:
-        from backfill.migrate import upgrade
-
-        upgrade()  # the embedded database is created on first use, as `backfill up` would
-    with unit_of_work() as session:
-        yield session
-
-
-def _domain_errors(command: Callable[P, R]) -> Callable[P, R]:
-    """Expected failures (unknown team, duplicate name, bad amount) end with a message, not a trace."""
-
-    @wraps(command)
-    def run(*args: P.args, **kwargs: P.kwargs) -> R:
-        from backfill.jobs.errors import DomainError
-
-        try:
-            return command(*args, **kwargs)
-        except DomainError as exc:
-            typer.secho(f"error: {exc.message}", fg=typer.colors.RED, err=True)
-            raise typer.Exit(1) from None
-
-    return run
-
-
 def _iso(value: datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
-
-
-def _emit(
-    rows: list[dict[str, Any]], *, as_json: bool, title: str, columns: Sequence[str], single: bool = False
-) -> None:
-    if as_json:
-        typer.echo(json.dumps(rows[0] if single else rows, indent=2))
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title)
-    for column in columns:
-        table.add_column(column)
-    for row in rows:
-        table.add_row(*("" if row.get(c) is None else str(row.get(c)) for c in columns))
-    Console().print(table)
 
 
 def _team(session: Session, ref: str) -> Team:

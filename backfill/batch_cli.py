@@ -80,8 +80,8 @@ def _server_errors(command: Callable[P, R]) -> Callable[P, R]:
             message = body.get("message") if isinstance(body, dict) else None
             param = body.get("param") if isinstance(body, dict) else None
             text = " ".join(str(message or exc.message).split())
-            if isinstance(param, str) and param and param not in text:
-                text += f" ({param})"  # which field, when the message does not say
+            if exc.status_code == 400 and isinstance(param, str) and param and param not in text:
+                text += f" ({param})"  # which field was invalid, when the message does not say
             raise _fail(f"{exc.status_code} {text}", 2) from None
         except openai.APIConnectionError as exc:
             raise _fail(f"cannot reach {exc.request.url}: {exc}", 2) from None

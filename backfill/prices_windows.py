@@ -11,6 +11,10 @@ from typing import Annotated, Any
 
 import typer
 
+from backfill.admin_common import admin_session as _session
+from backfill.admin_common import domain_errors as _domain_errors
+from backfill.admin_common import emit_rows as _emit
+
 WINDOW_PRICE_COLUMNS = (
     "model",
     "completion_window",
@@ -29,7 +33,6 @@ def prices_windows(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
     """Show the price in force now in every accepted completion window (shorter windows cost more)."""
-    from backfill.admin_cli import _domain_errors, _emit, _session
     from backfill.jobs.billing import format_micros, list_prices
     from backfill.jobs.windows import window_prices
     from backfill.storage.settings import get_settings

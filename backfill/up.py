@@ -259,44 +259,6 @@ def _wait_ready(origin: str, procs: dict[str, subprocess.Popen[bytes]], logs: Pa
     raise typer.Exit(1)
 
 
-def _port_free(port: int) -> bool:
-    """Whether the API can listen on 127.0.0.1:port (checked before anything starts, so a port
-    in use is said plainly instead of a banner for someone else's server)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no obstacle
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _models(base: str, key: str) -> str:
-    try:
-        r = httpx.get(f"{base}/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
-        ids = [m["id"] for m in r.json()["data"]] if r.status_code == 200 else []
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
-        ids = []
-    return ", ".join(ids) or "(the fleet lists none yet)"
-
-
-def _banner(*, base: str, origin: str, key: str, fleet: str, home: Path, logs: Path) -> None:
-    typer.secho("\nbackfill is up", fg=typer.colors.GREEN, bold=True)
-    typer.echo(f"  base URL : {base}")
-    typer.echo(f"  API key  : {key}")
-    typer.echo(f"  model    : {_models(base, key)}")
-    typer.echo(f"  fleet    : {fleet}")
-    typer.echo(f"  metrics  : {origin}/metrics   ready: {origin}/ready")
-    typer.echo(f"  state    : {home}   (logs in {logs})")
-    typer.echo(
-        f"  try      : OPENAI_BASE_URL={base} OPENAI_API_KEY={key} {sys.executable} -c"
-        ' "import openai; print(openai.OpenAI().models.list())"'
-    )
-    typer.echo("Ctrl-C stops everything. Batch events:\n")
-
-
 def _watch(procs: dict[str, subprocess.Popen[bytes]], logs: Path) -> None:
     """Print batch events until a component exits (then say which, and why, from its log)."""
     from sqlalchemy.exc import SQLAlchemyError
@@ -323,7 +285,8 @@ def _watch(procs: dict[str, subprocess.Popen[bytes]], logs: Path) -> None:
 def run_up(*, port: int, fleet_workers: int, speedup: float) -> None:
     from backfill.storage.metrics import clear_metrics_dir, metrics_dir
     from backfill.storage.settings import get_settings
-    from backfill.up_lock import forget, holders, record
+    from backfill.up_lock import forget, holders, port_free, record
+    from backfill.up_status import banner
 
     stopping = Stopping()
     signal.signal(signal.SIGINT, stopping)
@@ -341,7 +304,7 @@ def run_up(*, port: int, fleet_workers: int, speedup: float) -> None:
             fg=typer.colors.RED,
         )
         raise typer.Exit(1)
-    if not _port_free(port):
+    if not port_free(port):
         typer.secho(
             f"port {port} is in use on 127.0.0.1: start on another one with `backfill up --port N`",
             fg=typer.colors.RED,
@@ -387,7 +350,7 @@ def run_up(*, port: int, fleet_workers: int, speedup: float) -> None:
             with _components(env, logs, port, stopping) as procs:
                 try:
                     _wait_ready(origin, procs, logs)
-                    _banner(base=f"{origin}/v1", origin=origin, key=key, fleet=fleet_line, home=home, logs=logs)
+                    banner(base=f"{origin}/v1", origin=origin, key=key, fleet=fleet_line, home=home, logs=logs)
                     _watch(procs, logs)
                 except KeyboardInterrupt:
                     typer.echo("stopping…")

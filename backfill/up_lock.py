@@ -65,3 +65,17 @@ def _zombie(pid: int) -> bool:
         return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
     except psutil.Error:
         return True
+
+
+def port_free(port: int) -> bool:
+    """Whether the API can listen on 127.0.0.1:port (checked before anything starts, so a port
+    in use is said plainly instead of a banner for someone else's server)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no obstacle
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

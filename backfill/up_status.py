@@ -8,9 +8,13 @@ still gets its lines.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from pathlib import Path
 
+import httpx
+import typer
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
@@ -88,3 +92,27 @@ class BatchEvents:
                 del self._reported[batch_id]
         self._last_poll = now
         return events
+
+
+def _models(base: str, key: str) -> str:
+    try:
+        r = httpx.get(f"{base}/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        ids = [m["id"] for m in r.json()["data"]] if r.status_code == 200 else []
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        ids = []
+    return ", ".join(ids) or "(the fleet lists none yet)"
+
+
+def banner(*, base: str, origin: str, key: str, fleet: str, home: Path, logs: Path) -> None:
+    typer.secho("\nbackfill is up", fg=typer.colors.GREEN, bold=True)
+    typer.echo(f"  base URL : {base}")
+    typer.echo(f"  API key  : {key}")
+    typer.echo(f"  model    : {_models(base, key)}")
+    typer.echo(f"  fleet    : {fleet}")
+    typer.echo(f"  metrics  : {origin}/metrics   ready: {origin}/ready")
+    typer.echo(f"  state    : {home}   (logs in {logs})")
+    typer.echo(
+        f"  try      : OPENAI_BASE_URL={base} OPENAI_API_KEY={key} {sys.executable} -c"
+        ' "import openai; print(openai.OpenAI().models.list())"'
+    )
+    typer.echo("Ctrl-C stops everything. Batch events:\n")
