@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harvest_oracle import LEAD_S, SPREAD_S, WINDOW_S, schedule_from_runs
-from bench.harvest_results import RunResult, SloRule
+from bench.harvest_results import RunResult, SloRule, meets, pct
 from bench.harvest_setup import (
     MODEL,
     REDIS_URL,
@@ -65,19 +65,6 @@ BLOCK_SIZE = 64
 KV_BUDGET_BYTES = 2048 * BLOCK_SIZE * 576
 BATCH_LINES = 6000
 WARMUP_S = 6.0  # the batch side starts this long before the trace
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
-
-
-def meets(r: dict[str, Any], slo: SloRule) -> bool:
-    if r.get("status") != 200 or r.get("ttft") is None:
-        return False
-    return r["ttft"] <= slo.ttft_s and (r.get("itl") is None or r["itl"] <= slo.itl_s)
 
 
 # -- one run ---------------------------------------------------------------------------------

@@ -29,3 +29,16 @@ class RunResult:
     aborted_or_failed: int
     loop_lag_p99_s: float
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def meets(r: dict[str, Any], slo: SloRule) -> bool:
+    if r.get("status") != 200 or r.get("ttft") is None:
+        return False
+    return r["ttft"] <= slo.ttft_s and (r.get("itl") is None or r["itl"] <= slo.itl_s)

@@ -174,7 +174,7 @@ def run_policy(
     import openai
 
     from backfill.devfleet.stack import launch_stack
-    from bench.harvest import meets
+    from bench.harvest_results import meets
 
     settings = stack_settings(plan, fleet=fleet, slo=slo, overflow_url=overflow_url)
     with launch_stack(workdir / policy, settings=settings, s3=s3, fleet_url=fleet.base_url, name="winbench") as stack:
@@ -247,8 +247,7 @@ def wait_terminal(client: Any, ids: list[str], *, until: float) -> list[Any]:
 
 def calibrate(fleet: Any, plan: Plan, workdir: Path, seconds: float) -> Any:
     """The SLO rule from an interactive-only run of the same trace (the harvest benchmark's rule)."""
-    from bench.harvest import pct
-    from bench.harvest_results import SloRule
+    from bench.harvest_results import SloRule, pct
 
     out = workdir / "calibrate-interactive.json"
     interactive(fleet.base_url, trace_spec(plan, seconds), out, time.time() + 1.0).wait(timeout=seconds + 240)
