@@ -33,7 +33,10 @@ log = logging.getLogger("backfill.fleet")
 
 RETRYABLE_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
 MAX_REPLY_BYTES = 64 * 1024 * 1024
-POOL_SHARDS = 8  # HTTP clients the fleet's connections are spread over
+# HTTP clients the fleet's connections are spread over: each request polls every connection of
+# its pool (httpcore's expiry check), so 64 lines in flight over 32 pools cost ~2 polls a request
+# (over 8 pools: ~8, and the drain's CPU a line was a third higher: docs/capacity.md).
+POOL_SHARDS = 32
 
 
 @dataclass(frozen=True)
