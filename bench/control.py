@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.control                   # 20,000 lines of ~200 bytes
     .venv/bin/python -m bench.control --lines 100000
+    .venv/bin/python -m bench.control --answer-tokens 500   # answers of ~500 tokens, not one
 
 The real stack (API, worker, scheduler; `devfleet.stack.launch_stack`) runs on a private Postgres
 cluster, a private Redis and SeaweedFS behind a request-counting proxy, against
@@ -124,11 +125,31 @@ def process_names(sampler: ProcessSampler) -> dict[int, str]:
     return names
 
 
+def answer_text(tokens: int) -> str:
+    """A completion of `tokens` words drawn (seeded) from a small vocabulary, about as compressible
+    as prose, so the database's compression of stored answers is neither flattered nor denied."""
+    if tokens <= 1:
+        return "ok"
+    import random
+
+    rng = random.Random(0)
+    vocabulary = [
+        "".join(rng.choice("etaoinshrdlucmfwypvbgkqjxz") for _ in range(rng.randint(2, 9))) for _ in range(2000)
+    ]
+    return " ".join(rng.choice(vocabulary) for _ in range(tokens))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lines", type=int, default=20_000)
     ap.add_argument("--line-bytes", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=1,
+        help="completion tokens of each answer (words of English-like text; 1: the fixed 'ok')",
+    )
     args = ap.parse_args()
 
     def _stop(*_: object) -> None:
@@ -161,7 +182,9 @@ def main() -> None:
                 "BACKFILL_RETENTION_INTERVAL_S": "1",
             }
             with (
-                InstantFleet(model=MODEL) as fleet,
+                InstantFleet(
+                    model=MODEL, completion=answer_text(args.answer_tokens), completion_tokens=args.answer_tokens
+                ) as fleet,
                 launch_stack(
                     tmp / "stack",
                     settings=settings,
