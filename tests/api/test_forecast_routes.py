@@ -142,7 +142,7 @@ def test_cost_of_another_teams_batch_is_a_404_like_unknown(
     assert theirs.status_code == 404
     assert theirs.json() == api.get(f"/v1/batches/{wire_id}", headers=other_team.headers).json()
     assert theirs.json()["error"] == {
-        "message": f"No batch found with id '{batch_id_in(wire_id)}'.",
+        "message": f"No batch found with id '{wire_id}'.",  # the id the client sent
         "type": "invalid_request_error",
         "param": "batch_id",
         "code": "not_found",
