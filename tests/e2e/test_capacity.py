@@ -280,12 +280,15 @@ asyncio.run(main())
 """
 
 
-def test_leases_of_a_killed_worker_lapse(db: str, busy_fleet: Any, leases: RedisLeaseStore, redis_url: str) -> None:
+def test_leases_of_a_killed_worker_lapse(
+    db: str, busy_fleet: Any, leases: RedisLeaseStore, redis_url: str, request: pytest.FixtureRequest
+) -> None:
     from backfill.jobs import sweeps
     from backfill.scheduler.ticker import Ticker
     from backfill.storage.db import unit_of_work
 
     batch = make_batch("lapse", 40, expires_in_s=3600, max_tokens=3000)  # replies that take ~20 s
+    request.addfinalizer(lambda: retire(batch))  # pass or fail, the module's later tests never see it
     proc = subprocess.Popen(
         [sys.executable, "-c", DRAIN_SCRIPT, redis_url, leases.ns, busy_fleet.base_url],
         env=dict(os.environ),
@@ -314,7 +317,9 @@ def test_leases_of_a_killed_worker_lapse(db: str, busy_fleet: Any, leases: Redis
     # The scheduler's ticks hand the dead drain's lines back (once two ticks have seen its heartbeat
     # missing for a whole TTL), and the capacity is free again.
     ticker = Ticker(leases=leases, enqueue=lambda *_: None, drains=0)
-    deadline = time.monotonic() + 15
+    # Two whole heartbeat TTLs and then some: the reclaim waits one TTL from the first tick that
+    # sees the heartbeat missing (a deadline of exactly one TTL raced it, losing by milliseconds).
+    deadline = time.monotonic() + 2 * ticker.reconciler.heartbeat_ttl_s + 5
     while True:
         ticker.tick()
         with unit_of_work() as s:
@@ -323,7 +328,6 @@ def test_leases_of_a_killed_worker_lapse(db: str, busy_fleet: Any, leases: Redis
         assert time.monotonic() < deadline, "the dead drain's lines were never reclaimed"
         time.sleep(0.3)
     assert len(leases.acquire(POOL, limit=8, n=8, ttl_s=1.0)) == 8
-    retire(batch)
 
 
 # -- the controller ---------------------------------------------------------------------------
