@@ -1,12 +1,12 @@
 """Control plane: what one batch line costs backfill itself, measured on a fleet that answers at once.
 
-    .venv/bin/python -m bench.control                   # 20,000 lines of ~200 bytes
+    .venv/bin/python -m bench.control                   # 20,000 lines of ~200 bytes, 500-token answers
     .venv/bin/python -m bench.control --lines 100000
-    .venv/bin/python -m bench.control --answer-tokens 500   # answers of ~500 tokens, not one
+    .venv/bin/python -m bench.control --answer-tokens 1     # the worst case for WAL: one-token answers
 
 The real stack (API, worker, scheduler; `devfleet.stack.launch_stack`) runs on a private Postgres
 cluster, a private Redis and SeaweedFS behind a request-counting proxy, against
-`devfleet.instant_fleet` (a fixed one-token completion at once), so what is measured is
+`devfleet.instant_fleet` (an answer of `--answer-tokens` tokens, at once), so what is measured is
 backfill's own: one batch is uploaded, validated, run, finalized, downloaded, and retention
 (grace 0) deletes its line rows and rolls up its ledger. Over that whole life it measures:
 
@@ -147,7 +147,9 @@ def main() -> None:
     ap.add_argument(
         "--answer-tokens",
         type=int,
-        default=1,
+        default=500,
+        # A line of the planned fleet is ~2K tokens, prompt and answer: 500 answer tokens is a
+        # middling share; 1 is the worst case for WAL per result byte (the overhead is fixed).
         help="completion tokens of each answer (words of English-like text; 1: the fixed 'ok')",
     )
     args = ap.parse_args()
