@@ -19,8 +19,8 @@ import openai
 import pytest
 from standardwebhooks import Webhook
 
+from backfill.devfleet.stack import Stack
 from tests.e2e.helpers import chat_line, jsonl, upload, wait_for
-from tests.stack import Stack
 
 pytestmark = pytest.mark.e2e
 

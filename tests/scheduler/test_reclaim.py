@@ -14,6 +14,7 @@ from datetime import timedelta
 import orjson
 import pytest
 
+from backfill.devfleet.services import create_database, drop_database
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, RequestState, Team, utcnow
 from backfill.jobs.results import ATTEMPTS_EXCEEDED
 from backfill.scheduler.dispatcher import DRAIN_POOL
@@ -23,7 +24,6 @@ from backfill.storage import db as storage_db
 from backfill.storage import objects, settings
 from backfill.storage.broker import TaskName
 from backfill.storage.db import unit_of_work
-from tests.stack import create_database, drop_database
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 

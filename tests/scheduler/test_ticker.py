@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
+from backfill.devfleet.services import create_database, drop_database
 from backfill.jobs import sweeps
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
 from backfill.scheduler.leases import SqlLeaseStore
@@ -19,7 +20,6 @@ from backfill.storage import db as storage_db
 from backfill.storage import objects, settings
 from backfill.storage.broker import TaskName
 from backfill.storage.db import unit_of_work
-from tests.stack import create_database, drop_database
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 
