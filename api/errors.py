@@ -11,8 +11,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backfill.api.protocol import ErrorInfo, ErrorResponse
-from backfill.jobs.catalog import FleetUnavailable
 from backfill.jobs.errors import Conflict, DomainError, Forbidden, InvalidRequest, NotFound, TooLarge, Unauthorized
+from backfill.storage.fleet_models import FleetUnavailable
 
 log = logging.getLogger("backfill.api")
 

@@ -11,8 +11,8 @@ from datetime import UTC, datetime
 
 from backfill.api import protocol
 from backfill.api.wire import ts
-from backfill.jobs.billing import CURRENCY, MICROS_PER_UNIT, format_micros
-from backfill.jobs.billing_models import Price, Quota
+from backfill.jobs.billing.ledger import CURRENCY, MICROS_PER_UNIT, format_micros
+from backfill.jobs.billing.models import Price, Quota
 from backfill.jobs.errors import InvalidRequest, NotFound
 from backfill.jobs.models import ApiKey, Team
 

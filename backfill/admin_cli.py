@@ -9,20 +9,18 @@ from __future__ import annotations
 import csv
 import json
 import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import datetime, timedelta
+from functools import wraps
 from typing import TYPE_CHECKING, Annotated, Any, ParamSpec, TypeVar
 
 import typer
 
-from backfill.admin_common import admin_session as _session
-from backfill.admin_common import domain_errors as _domain_errors
-from backfill.admin_common import emit_rows as _emit
-from backfill.prices_windows import prices_windows
-
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
-    from backfill.jobs.billing_models import Price, Quota
+    from backfill.jobs.billing.models import Price, Quota
     from backfill.jobs.models import ApiKey, Team
 
 P = ParamSpec("P")
@@ -37,6 +35,57 @@ quotas_app = typer.Typer(help="Per-team, per-model caps checked when a batch is 
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 TeamArg = Annotated[str, typer.Argument(help="Team name or id.")]
+
+
+# What the administration commands share: a session on the configured database, domain errors
+# as one line and exit 1, rows as a table or JSON.
+
+
+@contextmanager
+def admin_session() -> Iterator[Session]:
+    from backfill.storage.db import unit_of_work
+    from backfill.storage.settings import get_settings
+
+    if get_settings().embedded:
+        from backfill.migrate import upgrade
+
+        upgrade()  # the embedded database is created on first use, as `backfill up` would
+    with unit_of_work() as session:
+        yield session
+
+
+def domain_errors(command: Callable[P, R]) -> Callable[P, R]:
+    """Expected failures (unknown team, duplicate name, bad amount) end with a message, not a trace."""
+
+    @wraps(command)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        from backfill.jobs.errors import DomainError
+
+        try:
+            return command(*args, **kwargs)
+        except DomainError as exc:
+            typer.secho(f"error: {exc.message}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(1) from None
+
+    return run
+
+
+def emit_rows(
+    rows: list[dict[str, Any]], *, as_json: bool, title: str, columns: Sequence[str], single: bool = False
+) -> None:
+    if as_json:
+        typer.echo(json.dumps(rows[0] if single else rows, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*("" if row.get(c) is None else str(row.get(c)) for c in columns))
+    # Piped or in a narrow terminal, rich would cut the columns to 80 characters: give it room.
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -70,7 +119,7 @@ def _key_row(key: ApiKey, team_names: dict[str, str], raw: str | None = None) ->
 
 
 def _price_row(price: Price) -> dict[str, Any]:
-    from backfill.jobs.billing import format_micros
+    from backfill.jobs.billing.ledger import format_micros
 
     return {
         "version": price.id,
@@ -110,7 +159,7 @@ QUOTA_COLUMNS = ("team", "model", "max_enqueued_tokens", "max_concurrent_batches
 
 
 @teams_app.command("create")
-@_domain_errors
+@domain_errors
 def teams_create(
     name: Annotated[str, typer.Argument(help="Unique team name.")],
     weight: Annotated[int, typer.Option(min=1, help="Fair-share weight (2 = twice the share of 1).")] = 1,
@@ -119,24 +168,24 @@ def teams_create(
     """Create a team."""
     from backfill.jobs.teams import create_team
 
-    with _session() as session:
+    with admin_session() as session:
         row = _team_row(create_team(session, name=name, weight=weight))
-    _emit([row], as_json=as_json, title="team created", columns=TEAM_COLUMNS, single=True)
+    emit_rows([row], as_json=as_json, title="team created", columns=TEAM_COLUMNS, single=True)
 
 
 @teams_app.command("list")
-@_domain_errors
+@domain_errors
 def teams_list(as_json: JsonOption = False) -> None:
     """List teams."""
     from backfill.jobs.teams import list_teams
 
-    with _session() as session:
+    with admin_session() as session:
         rows = [_team_row(t) for t in list_teams(session)]
-    _emit(rows, as_json=as_json, title="teams", columns=TEAM_COLUMNS)
+    emit_rows(rows, as_json=as_json, title="teams", columns=TEAM_COLUMNS)
 
 
 @keys_app.command("create")
-@_domain_errors
+@domain_errors
 def keys_create(
     team: Annotated[str, typer.Option("--team", help="Team name or id.")],
     admin: Annotated[bool, typer.Option("--admin", help="An admin key (administration routes, all teams).")] = False,
@@ -146,7 +195,7 @@ def keys_create(
     """Create an API key and print it: this is the only time it is shown."""
     from backfill.jobs.teams import create_key
 
-    with _session() as session:
+    with admin_session() as session:
         owner = _team(session, team)
         key, raw = create_key(session, team_id=owner.id, name=name, is_admin=admin)
         row = _key_row(key, {owner.id: owner.name}, raw=raw)
@@ -158,7 +207,7 @@ def keys_create(
 
 
 @keys_app.command("list")
-@_domain_errors
+@domain_errors
 def keys_list(
     team: Annotated[str | None, typer.Option("--team", help="Only this team's keys.")] = None,
     as_json: JsonOption = False,
@@ -166,15 +215,15 @@ def keys_list(
     """List keys (prefixes only; a key itself is never stored)."""
     from backfill.jobs.teams import list_keys
 
-    with _session() as session:
+    with admin_session() as session:
         team_id = _team(session, team).id if team else None
         names = _team_names(session)
         rows = [_key_row(k, names) for k in list_keys(session, team_id=team_id)]
-    _emit(rows, as_json=as_json, title="API keys", columns=KEY_COLUMNS)
+    emit_rows(rows, as_json=as_json, title="API keys", columns=KEY_COLUMNS)
 
 
 @keys_app.command("revoke")
-@_domain_errors
+@domain_errors
 def keys_revoke(
     key: Annotated[str, typer.Argument(help="Key id or visible prefix (sk-bf-xxxxxx).")],
     as_json: JsonOption = False,
@@ -182,13 +231,13 @@ def keys_revoke(
     """Revoke a key: it answers 401 from its next request on."""
     from backfill.jobs.teams import revoke_key
 
-    with _session() as session:
+    with admin_session() as session:
         row = _key_row(revoke_key(session, key_id_or_prefix=key.removeprefix("key_")), _team_names(session))
-    _emit([row], as_json=as_json, title="key revoked", columns=KEY_COLUMNS, single=True)
+    emit_rows([row], as_json=as_json, title="key revoked", columns=KEY_COLUMNS, single=True)
 
 
 @prices_app.command("set")
-@_domain_errors
+@domain_errors
 def prices_set(
     model: Annotated[str, typer.Argument(help="Model id as batch lines name it.")],
     input_price: Annotated[str, typer.Option("--input", help="Input price per million tokens, e.g. 2.50.")],
@@ -202,7 +251,7 @@ def prices_set(
     as_json: JsonOption = False,
 ) -> None:
     """Add a price version; batches created from now on are billed at it."""
-    from backfill.jobs import billing
+    from backfill.jobs.billing.ledger import parse_money, set_price
     from backfill.storage.settings import parse_duration
 
     if window is not None:
@@ -210,39 +259,36 @@ def prices_set(
             parse_duration(window)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--window") from None
-    with _session() as session:
-        price = billing.set_price(
+    with admin_session() as session:
+        price = set_price(
             session,
             model=model,
-            input_micros=billing.parse_money(input_price, param="input"),
-            cached_input_micros=billing.parse_money(cached_input, param="cached_input"),
-            output_micros=billing.parse_money(output, param="output"),
+            input_micros=parse_money(input_price, param="input"),
+            cached_input_micros=parse_money(cached_input, param="cached_input"),
+            output_micros=parse_money(output, param="output"),
             discount_percent=discount,
             completion_window=window,
         )
         row = _price_row(price)
-    _emit([row], as_json=as_json, title="price set", columns=PRICE_COLUMNS, single=True)
+    emit_rows([row], as_json=as_json, title="price set", columns=PRICE_COLUMNS, single=True)
 
 
 @prices_app.command("list")
-@_domain_errors
+@domain_errors
 def prices_list(
     model: Annotated[str | None, typer.Option("--model", help="Only this model.")] = None,
     as_json: JsonOption = False,
 ) -> None:
     """List every price version."""
-    from backfill.jobs.billing import list_prices
+    from backfill.jobs.billing.ledger import list_prices
 
-    with _session() as session:
+    with admin_session() as session:
         rows = [_price_row(p) for p in list_prices(session, model=model)]
-    _emit(rows, as_json=as_json, title="prices per million tokens", columns=PRICE_COLUMNS)
-
-
-prices_app.command("windows")(prices_windows)
+    emit_rows(rows, as_json=as_json, title="prices per million tokens", columns=PRICE_COLUMNS)
 
 
 @quotas_app.command("set")
-@_domain_errors
+@domain_errors
 def quotas_set(
     team: TeamArg,
     model: Annotated[str, typer.Argument(help="Model id.")],
@@ -251,9 +297,9 @@ def quotas_set(
     as_json: JsonOption = False,
 ) -> None:
     """Set (or replace) a team's caps for one model; an omitted cap means none."""
-    from backfill.jobs.quotas import set_quota
+    from backfill.jobs.billing.quotas import set_quota
 
-    with _session() as session:
+    with admin_session() as session:
         owner = _team(session, team)
         quota = set_quota(
             session,
@@ -263,23 +309,23 @@ def quotas_set(
             max_concurrent_batches=max_concurrent_batches,
         )
         row = _quota_row(quota, {owner.id: owner.name})
-    _emit([row], as_json=as_json, title="quota set", columns=QUOTA_COLUMNS, single=True)
+    emit_rows([row], as_json=as_json, title="quota set", columns=QUOTA_COLUMNS, single=True)
 
 
 @quotas_app.command("list")
-@_domain_errors
+@domain_errors
 def quotas_list(
     team: Annotated[str | None, typer.Option("--team", help="Only this team's quotas.")] = None,
     as_json: JsonOption = False,
 ) -> None:
     """List quotas."""
-    from backfill.jobs.quotas import list_quotas
+    from backfill.jobs.billing.quotas import list_quotas
 
-    with _session() as session:
+    with admin_session() as session:
         team_id = _team(session, team).id if team else None
         names = _team_names(session)
         rows = [_quota_row(q, names) for q in list_quotas(session, team_id=team_id)]
-    _emit(rows, as_json=as_json, title="quotas", columns=QUOTA_COLUMNS)
+    emit_rows(rows, as_json=as_json, title="quotas", columns=QUOTA_COLUMNS)
 
 
 USAGE_COLUMNS = (
@@ -295,7 +341,7 @@ USAGE_COLUMNS = (
 )
 
 
-@_domain_errors
+@domain_errors
 def usage(
     team: Annotated[str | None, typer.Option("--team", help="Only this team (default: all).")] = None,
     days: Annotated[int, typer.Option("--days", min=1, max=366, help="Days back, today included.")] = 7,
@@ -303,13 +349,13 @@ def usage(
     as_json: JsonOption = False,
 ) -> None:
     """Usage and cost per day (UTC), team and model, from the usage ledger."""
-    from backfill.jobs.billing import CURRENCY, format_micros
+    from backfill.jobs.billing.ledger import CURRENCY, format_micros
+    from backfill.jobs.billing.usage import BUCKET_WIDTHS, align, usage_totals
     from backfill.jobs.models import utcnow
-    from backfill.jobs.usage import BUCKET_WIDTHS, align, usage_totals
 
     day = BUCKET_WIDTHS["1d"]
     today = align(utcnow(), day)
-    with _session() as session:
+    with admin_session() as session:
         team_ids = [_team(session, team).id] if team else None
         names = _team_names(session)
         totals = usage_totals(
@@ -346,4 +392,67 @@ def usage(
     if not as_json and rows:
         total: dict[str, Any] = {k: sum(int(r[k]) for r in rows) for k in (*USAGE_COLUMNS[3:8], "cost_micros")}
         rows.append({**total, "day": "total", "cost": format_micros(total["cost_micros"])})
-    _emit(rows, as_json=as_json, title=f"usage, last {days} days ({CURRENCY})", columns=USAGE_COLUMNS)
+    emit_rows(rows, as_json=as_json, title=f"usage, last {days} days ({CURRENCY})", columns=USAGE_COLUMNS)
+
+
+# `backfill prices windows`: what a batch created now is billed at in each accepted completion
+# window, per model (`jobs.billing.windows.window_prices`, the table `GET /v1/batch_prices` publishes):
+# the window's own price, or the model's general price times the window's multiplier.
+#
+# Registered on `prices_app` by `backfill.admin_cli`, whose helpers it borrows when it runs.
+
+WINDOW_PRICE_COLUMNS = (
+    "model",
+    "completion_window",
+    "priced_by",
+    "multiplier",
+    "input",
+    "cached_input",
+    "output",
+    "batch_discount_percent",
+    "version",
+)
+
+
+def prices_windows(
+    model: Annotated[str | None, typer.Option("--model", help="Only this model.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """Show the price in force now in every accepted completion window (shorter windows cost more)."""
+    from backfill.jobs.billing.ledger import format_micros, list_prices
+    from backfill.jobs.billing.windows import window_prices
+    from backfill.storage.settings import get_settings
+
+    @domain_errors
+    def run() -> None:
+        settings = get_settings()
+        rows: list[dict[str, Any]] = []
+        with admin_session() as session:
+            models = [model] if model else sorted({p.model for p in list_prices(session)})
+            for name in models:
+                for row in window_prices(
+                    session,
+                    model=name,
+                    windows=settings.completion_window_seconds,
+                    multipliers=settings.price_multipliers,
+                ):
+                    rows.append(
+                        {
+                            "model": name,
+                            "completion_window": row.completion_window,
+                            "window_seconds": row.seconds,
+                            "priced_by": row.priced_by,
+                            "multiplier": str(row.multiplier),
+                            "input": format_micros(row.rates.input),
+                            "cached_input": format_micros(row.rates.cached_input),
+                            "output": format_micros(row.rates.output),
+                            "batch_discount_percent": row.rates.discount_percent,
+                            "version": row.price.id,
+                        }
+                    )
+        emit_rows(rows, as_json=as_json, title="prices per million tokens, per window", columns=WINDOW_PRICE_COLUMNS)
+
+    run()
+
+
+prices_app.command("windows")(prices_windows)

@@ -1,5 +1,5 @@
 """`batch estimate`: a dry run of a batch input file, checked here by the server's own rules
-(`jobs.validation.validate_lines`) against the models the server serves, without creating a batch.
+(`jobs.validation.outcome.validate_lines`) against the models the server serves, without creating a batch.
 
 Limits are the server's defaults (the API publishes no limits route), so a server configured
 with smaller ones can still refuse a file this passes. The cost is at the price a batch created
@@ -19,14 +19,16 @@ from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
-from backfill.jobs import validation
-from backfill.jobs.batch_errors import BatchError
+from backfill.jobs.errors import BatchError
+from backfill.jobs.validation.input_lines import iter_lines
+from backfill.jobs.validation.lines import max_output_tokens
+from backfill.jobs.validation.scan import Limits, validate_lines
 from backfill.storage.settings import Settings
 
 if TYPE_CHECKING:
     import openai
 
-    from backfill.jobs.billing import Rates
+    from backfill.jobs.billing.ledger import Rates
 
 CHUNK_BYTES = 1 << 20
 
@@ -77,9 +79,9 @@ class Estimate:
         }
 
 
-def server_default_limits() -> validation.Limits:
+def server_default_limits() -> Limits:
     defaults = Settings.model_fields
-    return validation.Limits(
+    return Limits(
         max_requests=defaults["max_requests_per_batch"].default,
         max_line_bytes=defaults["max_line_bytes"].default,
         max_errors=defaults["max_reported_errors"].default,
@@ -93,7 +95,7 @@ def _chunks(fh: IO[bytes]) -> Iterator[bytes]:
 
 def estimate_file(path: Path, *, endpoint: str, served_models: set[str] | None) -> Estimate:
     with path.open("rb") as fh:
-        result = validation.validate_lines(
+        result = validate_lines(
             _chunks(fh), endpoint=endpoint, served_models=served_models, limits=server_default_limits()
         )
     # The validation's per-request estimate is prompt + max output; the split needs the bodies'
@@ -102,12 +104,12 @@ def estimate_file(path: Path, *, endpoint: str, served_models: set[str] | None) 
     lines = 0
     max_output = 0
     with path.open("rb") as fh:
-        for number, _, raw in validation.iter_lines(_chunks(fh)):
+        for number, _, raw in iter_lines(_chunks(fh)):
             if not raw.strip():
                 continue
             lines += 1
             if number in valid_lines and endpoint != "/v1/embeddings":
-                max_output += validation.max_output_tokens(orjson.loads(raw)["body"])
+                max_output += max_output_tokens(orjson.loads(raw)["body"])
     return Estimate(
         lines=lines,
         requests=len(result.requests),
@@ -138,32 +140,33 @@ def _extension(client: openai.OpenAI, path: str, params: dict[str, str | int]) -
 
 
 def _rates(price: dict[str, Any]) -> Rates:
-    from backfill.jobs import billing
+    from backfill.jobs.billing.ledger import Rates, parse_money
 
-    return billing.Rates(
-        input=billing.parse_money(price["input"], param="input"),
-        cached_input=billing.parse_money(price["cached_input"], param="cached_input"),
-        output=billing.parse_money(price["output"], param="output"),
+    return Rates(
+        input=parse_money(price["input"], param="input"),
+        cached_input=parse_money(price["cached_input"], param="cached_input"),
+        output=parse_money(price["output"], param="output"),
         discount_percent=price["batch_discount_percent"],
     )
 
 
 def _upper_bound(estimate: Estimate, price: dict[str, Any]) -> str:
     """The file's cost at `price` with every output at its max tokens, by the server's arithmetic."""
-    from backfill.jobs import billing
 
-    cost = billing.price_request(
+    from backfill.jobs.billing.ledger import format_micros, price_request
+
+    cost = price_request(
         _rates(price),
         prompt_tokens=estimate.prompt_tokens,
         cached_tokens=0,
         completion_tokens=estimate.max_output_tokens,
     )
-    return billing.format_micros(cost.total_micros)
+    return format_micros(cost.total_micros)
 
 
 def add_cost(estimate: Estimate, client: openai.OpenAI, *, window: str) -> None:
     """Price the estimate at the price a batch created now would be billed at (`GET /batch_price`,
-    readable with any key), with the server's own arithmetic (`jobs.billing.price_request`); then
+    readable with any key), with the server's own arithmetic (`jobs.billing.ledger.price_request`); then
     the same in every window the server accepts (`GET /batch_prices`)."""
     if estimate.model is None:
         estimate.cost_note = estimate.window_costs_note = "no model to price"
@@ -197,7 +200,7 @@ def add_forecast(estimate: Estimate, client: openai.OpenAI) -> None:
     """Forecast completion at the fleet's recent batch throughput (`GET /batch_throughput`, for
     the file's model when it has one): now + (the tokens queued ahead + this file's) / the tokens
     per second batch work got while it ran."""
-    from backfill.jobs.forecast import completion_forecast
+    from backfill.jobs.billing.forecast import completion_forecast
 
     params: dict[str, str | int] = {"model": estimate.model} if estimate.model else {}
     throughput, why = _extension(client, "/batch_throughput", params)

@@ -12,7 +12,7 @@ from typing import IO, TYPE_CHECKING
 
 import orjson
 
-from backfill.jobs.validation import iter_lines
+from backfill.jobs.validation.input_lines import iter_lines
 
 if TYPE_CHECKING:
     import openai

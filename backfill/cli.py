@@ -112,9 +112,9 @@ def scheduler() -> None:
     two or more for a standby: one replica leads (a leader lease), the others wait to take over."""
     from backfill.jobs.retention import RetentionPolicy
     from backfill.scheduler.leadership import FencedLeases, lead_while_leader, leader_lease
-    from backfill.scheduler.leases import get_lease_store
     from backfill.scheduler.ticker import Ticker
     from backfill.storage.broker import send_task
+    from backfill.storage.leases import get_lease_store
     from backfill.storage.settings import get_settings
 
     _logging()

@@ -28,11 +28,19 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import IO, Any
 
 import httpx
+import psutil
 import typer
+from sqlalchemy import or_, select
+from sqlalchemy.orm import Session
+
+from backfill.api.wire import batch_id_out
+from backfill.jobs.models import TERMINAL_STATUSES, Batch, BatchStatus, Team, utcnow
 
 COMPONENTS = ("worker", "scheduler", "api")
 STOP_GRACE_S = 30.0  # longer than a drain's shutdown grace (BACKFILL_DRAIN_GRACE_S, 20 s)
@@ -152,7 +160,7 @@ def _components(
     env: dict[str, str], logs: Path, port: int, stopping: Stopping
 ) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
     from backfill.devfleet.processes import _LIBC
-    from backfill.up_lock import forget
+    from backfill.up import forget
 
     run_dir = Path(env["BACKFILL_HOME"]) / "run"
     files: list[IO[bytes]] = []
@@ -203,7 +211,7 @@ def _start(
 ) -> None:
     """Migrate, then start the components into `procs` (their logs open in `files`), so the
     caller stops whatever was started if this raises."""
-    from backfill.up_lock import record
+    from backfill.up import record
 
     exe = [sys.executable, "-m", "backfill"]
     args = {"worker": ["worker"], "scheduler": ["scheduler"], "api": ["api", "--port", str(port)]}
@@ -264,7 +272,7 @@ def _watch(procs: dict[str, subprocess.Popen[bytes]], logs: Path) -> None:
     from sqlalchemy.exc import SQLAlchemyError
 
     from backfill.storage.db import unit_of_work
-    from backfill.up_status import BatchEvents
+    from backfill.up import BatchEvents
 
     events = BatchEvents()
     warned = False
@@ -285,8 +293,7 @@ def _watch(procs: dict[str, subprocess.Popen[bytes]], logs: Path) -> None:
 def run_up(*, port: int, fleet_workers: int, speedup: float) -> None:
     from backfill.storage.metrics import clear_metrics_dir, metrics_dir
     from backfill.storage.settings import get_settings
-    from backfill.up_lock import forget, holders, port_free, record
-    from backfill.up_status import banner
+    from backfill.up import banner, forget, holders, port_free, record
 
     stopping = Stopping()
     signal.signal(signal.SIGINT, stopping)
@@ -362,3 +369,181 @@ def run_up(*, port: int, fleet_workers: int, speedup: float) -> None:
         if fleet is not None:
             fleet.stop()
         forget(run_dir, "up")
+
+
+# Who holds a BACKFILL_HOME: one pid file per process of a `backfill up` (`run/<name>.pid`:
+# its PID and start time), so a second `backfill up` refuses while anything of an earlier run
+# still works on the same database, broker and objects, and says which process it is.
+#
+# A PID alone could have been reused by an unrelated process since; the start time recorded
+# beside it tells the two apart (a file whose process is gone or is another is stale, removed).
+
+
+@dataclass(frozen=True)
+class Holder:
+    name: str
+    pid: int
+
+
+def _start_time(pid: int) -> float | None:
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return None
+
+
+def record(run_dir: Path, name: str, pid: int) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started = _start_time(pid)
+    path = run_dir / f"{name}.pid"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(f"{pid} {started if started is not None else ''}\n")
+    os.replace(tmp, path)  # never a half-written file for the next `up` to read
+
+
+def forget(run_dir: Path, name: str) -> None:
+    (run_dir / f"{name}.pid").unlink(missing_ok=True)
+
+
+def holders(run_dir: Path) -> list[Holder]:
+    """The processes named in `run_dir` that still run (stale files are removed)."""
+    alive: list[Holder] = []
+    for path in sorted(run_dir.glob("*.pid")) if run_dir.is_dir() else []:
+        try:
+            pid_text, _, started_text = path.read_text().strip().partition(" ")
+            pid, started = int(pid_text), float(started_text) if started_text else None
+        except (OSError, ValueError):
+            path.unlink(missing_ok=True)
+            continue
+        now = _start_time(pid)
+        # A zombie is gone in all but name; a start time that differs is another process.
+        if now is not None and (started is None or abs(now - started) < 0.01) and not _zombie(pid):
+            alive.append(Holder(path.stem, pid))
+        else:
+            path.unlink(missing_ok=True)
+    return alive
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return True
+
+
+def port_free(port: int) -> bool:
+    """Whether the API can listen on 127.0.0.1:port (checked before anything starts, so a port
+    in use is said plainly instead of a banner for someone else's server)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no obstacle
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+# What `backfill up` shows on its terminal: the batches' events, one line each, read from the
+# database once a second (the components' own logs go to files under BACKFILL_HOME/logs).
+#
+# Only unfinished batches and the ones created in the last few seconds are read, so a poll costs
+# the same however many batches the database holds; a batch that starts and ends between two polls
+# still gets its lines.
+
+RECENT = timedelta(seconds=10)  # overlap between polls, for a batch created and finished in between
+MAX_ERROR_CHARS = 120
+
+
+@dataclass(frozen=True)
+class BatchEvent:
+    at: datetime
+    batch_id: str
+    what: str  # "created" or the status it moved to
+    detail: str
+
+    def line(self) -> str:
+        return (
+            f"{self.at.astimezone():%H:%M:%S}  {batch_id_out(self.batch_id)}  {self.what:<11}  {self.detail}".rstrip()
+        )
+
+
+def _detail(batch: Batch, team: str, status: str) -> str:
+    counts = f"{batch.completed} ok, {batch.failed} failed of {batch.total}"
+    if status == "created":
+        return f"team {team}"
+    if status == BatchStatus.in_progress:
+        return f"{batch.total} lines, model {batch.model}"
+    if status == BatchStatus.failed and batch.errors:
+        message = str(batch.errors[0].get("message", ""))
+        more = f" (+{len(batch.errors) - 1} more)" if len(batch.errors) > 1 else ""
+        return message[:MAX_ERROR_CHARS] + more
+    if status == BatchStatus.completed and batch.completed_at is not None:
+        return f"{counts} in {(batch.completed_at - batch.created_at).total_seconds():.1f} s"
+    return counts if batch.total else ""
+
+
+class BatchEvents:
+    """Remembers the status it last reported for each batch it still watches."""
+
+    def __init__(self) -> None:
+        self._reported: dict[str, str] = {}
+        self._last_poll = utcnow()
+
+    def poll(self, session: Session) -> list[BatchEvent]:
+        now = utcnow()
+        since = min(self._last_poll, now) - RECENT
+        watching = [b for b, status in self._reported.items() if status not in TERMINAL_STATUSES]
+        rows = session.execute(
+            select(Batch, Team.name)
+            .join(Team, Team.id == Batch.team_id)
+            .where(
+                or_(
+                    Batch.status.not_in(list(TERMINAL_STATUSES)),
+                    Batch.created_at >= since,
+                    Batch.id.in_(watching),  # to see the status it ends in
+                )
+            )
+            .order_by(Batch.created_at, Batch.id)
+        ).all()
+        events: list[BatchEvent] = []
+        present = set()
+        for batch, team in rows:
+            present.add(batch.id)
+            before = self._reported.get(batch.id)
+            if before is None:
+                events.append(BatchEvent(now, batch.id, "created", _detail(batch, team, "created")))
+            if before != batch.status and batch.status != BatchStatus.validating:
+                events.append(BatchEvent(now, batch.id, batch.status.value, _detail(batch, team, batch.status)))
+            self._reported[batch.id] = batch.status
+        # A finished batch that no longer shows up never changes again: stop watching it.
+        for batch_id in [b for b, status in self._reported.items() if b not in present]:
+            if self._reported[batch_id] in TERMINAL_STATUSES:
+                del self._reported[batch_id]
+        self._last_poll = now
+        return events
+
+
+def _models(base: str, key: str) -> str:
+    try:
+        r = httpx.get(f"{base}/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        ids = [m["id"] for m in r.json()["data"]] if r.status_code == 200 else []
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        ids = []
+    return ", ".join(ids) or "(the fleet lists none yet)"
+
+
+def banner(*, base: str, origin: str, key: str, fleet: str, home: Path, logs: Path) -> None:
+    typer.secho("\nbackfill is up", fg=typer.colors.GREEN, bold=True)
+    typer.echo(f"  base URL : {base}")
+    typer.echo(f"  API key  : {key}")
+    typer.echo(f"  model    : {_models(base, key)}")
+    typer.echo(f"  fleet    : {fleet}")
+    typer.echo(f"  metrics  : {origin}/metrics   ready: {origin}/ready")
+    typer.echo(f"  state    : {home}   (logs in {logs})")
+    typer.echo(
+        f"  try      : OPENAI_BASE_URL={base} OPENAI_API_KEY={key} {sys.executable} -c"
+        ' "import openai; print(openai.OpenAI().models.list())"'
+    )
+    typer.echo("Ctrl-C stops everything. Batch events:\n")

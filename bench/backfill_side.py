@@ -21,12 +21,13 @@ from typing import Any
 
 import orjson
 
-from backfill.scheduler.admission import POOL, Observation, limit_key, shed_key
-from backfill.scheduler.capacity import Decision, FleetCapacityLoop
-from backfill.scheduler.dispatcher import Dispatcher
-from backfill.scheduler.fleet import FleetClient
-from backfill.scheduler.leases import LeaseStore, get_lease_store
+from backfill.scheduler.capacity.admission import POOL, Observation, limit_key, shed_key
+from backfill.scheduler.capacity.controller import FleetCapacityLoop
+from backfill.scheduler.capacity.law import Decision
+from backfill.scheduler.drain.dispatcher import Dispatcher
+from backfill.scheduler.fleet.client import FleetClient
 from backfill.scheduler.runtime import get_admission, make_capacity_loop, make_planner
+from backfill.storage.leases import LeaseStore, get_lease_store
 from backfill.storage.objects import get_object_store
 from backfill.storage.settings import get_settings
 from bench.harvest_oracle import limit_at

@@ -1,9 +1,9 @@
 """Finalization's write path: an S3 put of a stream of ~600-byte lines (one chunk per line, the
-way `jobs.output` feeds it), the store's streaming put next to the reader it replaced (kept
+way `jobs.output.finalize` feeds it), the store's streaming put next to the reader it replaced (kept
 inline below: a `bytes +=` buffer under boto3's managed transfer), against SeaweedFS.
 
 Then, with `--lines`, the whole `finalize_batch` on a scratch Postgres database, for git
-revision `--before`'s jobs/output.py (HEAD by default) and the working tree's, interleaved,
+revision `--before`'s jobs/output/finalize.py (HEAD by default) and the working tree's, interleaved,
 `--repeat` runs each (median, min and max MB/s: the machine is shared), every run checked to
 write the same files and counters. `--shape succeeded`: every line ran (~600-byte bodies, one
 in 50 failed); `--shape expired`: the batch expired after `--ran` lines, the rest are written
@@ -147,9 +147,11 @@ _INSERT_LINES = """
 
 
 def load_output_revision(rev: str) -> ModuleType:
-    """`jobs/output.py` as it is at git revision `rev`, as a module of its own (the rest of the
+    """`jobs/output/finalize.py` as it is at git revision `rev`, as a module of its own (the rest of the
     package is the working tree's), the way bench.validate_speed loads validation."""
-    source = subprocess.run(["git", "show", f"{rev}:jobs/output.py"], cwd=ROOT, check=True, capture_output=True)
+    source = subprocess.run(
+        ["git", "show", f"{rev}:jobs/output/finalize.py"], cwd=ROOT, check=True, capture_output=True
+    )
     path = Path(tempfile.mkdtemp()) / "output_before.py"
     path.write_bytes(source.stdout)
     spec = importlib.util.spec_from_file_location("output_before", path)
@@ -247,9 +249,9 @@ def _finalize_once(module: Any, engine: Any, store: S3ObjectStore, batch: tuple[
 
 def bench_finalize(store: S3ObjectStore, n_lines: int, *, shape: str, ran: int, repeat: int, before: str) -> None:
     """`finalize_batch` of one fresh Postgres batch, `repeat` times for git revision `before`'s
-    jobs/output.py and for the working tree's, interleaved (the order swapped every round, so a
+    jobs/output/finalize.py and for the working tree's, interleaved (the order swapped every round, so a
     slow stretch of the shared machine falls on both); each run checked to write the same."""
-    import backfill.jobs.output as after
+    import backfill.jobs.output.finalize as after
     from backfill.devfleet.services import create_database, drop_database
     from backfill.storage.db import make_engine
 
@@ -314,7 +316,7 @@ def main() -> None:
     )
     parser.add_argument("--ran", type=int, default=3000, help="lines that ran before an expired batch expired")
     parser.add_argument("--repeat", type=int, default=3, help="finalize_batch runs of each revision")
-    parser.add_argument("--before", default="HEAD", help="git revision of jobs/output.py to compare with")
+    parser.add_argument("--before", default="HEAD", help="git revision of jobs/output/finalize.py to compare with")
     args = parser.parse_args()
 
     from backfill.devfleet.s3 import SeaweedS3

@@ -6,7 +6,7 @@ psutil (and the kernel's own high-water mark, ru_maxrss, is reported beside it).
     .venv/bin/python -m bench.finalize_memory                      # 5,000 lines of ~1 MB
     .venv/bin/python -m bench.finalize_memory --lines 500 --line-bytes 200000
 
-Pages are cut by bytes (`jobs.output_pages.PAGE_BYTES`), so the peak stays near a few pages
+Pages are cut by bytes (`jobs.output.pages.PAGE_BYTES`), so the peak stays near a few pages
 however large the lines; pages of 5,000 lines held the whole batch's answers at once.
 """
 
@@ -80,7 +80,7 @@ def worker(url: str, batch_id: str, root: str) -> None:
     """The finalization, in this process: prints its status, seconds, bytes and ru_maxrss."""
     from sqlalchemy.orm import sessionmaker
 
-    from backfill.jobs.output import finalize_batch
+    from backfill.jobs.output.finalize import finalize_batch
     from backfill.storage.db import make_engine
     from backfill.storage.objects import LocalObjectStore
 

@@ -75,7 +75,7 @@ class Sampler(threading.Thread):
 
     def __init__(self, endpoints: list[Any], until: float) -> None:
         super().__init__(daemon=True)
-        from backfill.scheduler.telemetry import FleetTelemetry
+        from backfill.scheduler.capacity.telemetry import FleetTelemetry
 
         self.tel = FleetTelemetry(endpoints)
         self.until = until
@@ -112,7 +112,7 @@ def run_one(
 ) -> dict[str, Any]:
     """Replays the trace beside one batch load; returns the raw records of both sides.
     `schedule` (kind o): the oracle's lease limit per window of `window_s` from the trace's start."""
-    from backfill.scheduler.telemetry import Endpoint
+    from backfill.scheduler.capacity.telemetry import Endpoint
 
     salt = f"{name}{secrets.token_hex(2)}"
     duration = float(spec["duration_s"])

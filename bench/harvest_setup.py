@@ -39,8 +39,10 @@ def prepare_batch(salt: str, n: int) -> str:
     """A batch of n lines through the same service functions the API and validation task use."""
     import orjson
 
-    from backfill.jobs import batches, files, teams, validation
+    from backfill.jobs import batches, files, teams
     from backfill.jobs.models import new_id
+    from backfill.jobs.validation.outcome import apply_validation
+    from backfill.jobs.validation.scan import Limits, validate_lines
     from backfill.storage.db import unit_of_work
     from backfill.storage.objects import get_object_store
     from bench.loadgen import batch_body
@@ -82,14 +84,14 @@ def prepare_batch(salt: str, n: int) -> str:
             completion_window="24h",
             windows={"24h": 86400},
         ).id
-    result = validation.validate_lines(
+    result = validate_lines(
         store.open(key),
         endpoint="/v1/chat/completions",
         served_models={MODEL},
-        limits=validation.Limits(max_requests=n, max_line_bytes=1 << 20, max_errors=10),
+        limits=Limits(max_requests=n, max_line_bytes=1 << 20, max_errors=10),
     )
     with unit_of_work() as s:
-        status = validation.apply_validation(s, batch_id=batch_id, result=result)
+        status = apply_validation(s, batch_id=batch_id, result=result)
     if status != "in_progress":
         raise RuntimeError(f"harvest batch did not validate: {status} {result.errors[:3]}")
     return batch_id

@@ -1,5 +1,5 @@
 """Writing a batch's request index: the release order placed at each line's shared node, in file
-order there (`jobs.prefixes._release_order`), next to the order it replaced (the full prompt
+order there (`jobs.execution.prefixes._release_order`), next to the order it replaced (the full prompt
 paths sorted, which scatters the lines under one preamble), in one run on one file.
 
 An eval sweep (one long preamble, then a question per line, each filling blocks of its own) is
@@ -26,9 +26,8 @@ from pathlib import Path
 
 import psycopg
 
-from backfill.jobs.index_writer import copy_text, row_columns
-from backfill.jobs.request_index import RequestIndex
-from backfill.jobs.validation import Limits, validate_lines
+from backfill.jobs.validation.request_index import RequestIndex, copy_text, row_columns
+from backfill.jobs.validation.scan import Limits, validate_lines
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 CHAT = "/v1/chat/completions"

@@ -8,7 +8,7 @@ distinct prefixes are several times the cache; with the default 16384 blocks eve
 and any order hits). Each workload runs as one batch whose lines are shuffled, twice:
 
   random  the shuffled file in line order, every request as soon as a lease allows;
-  prefix  backfill's order (jobs/prefixes.py, jobs/claims.py) with the KV budget of the two
+  prefix  backfill's order (jobs/execution/prefixes.py, jobs/execution/claims.py) with the KV budget of the two
           workers' caches (KvModel x workers x the controller's batch share).
 
 backfill's side runs in a process of its own (bench/prefix_side.py): the real Dispatcher with a
@@ -62,8 +62,8 @@ KV_BYTES_PER_TOKEN = 2048
 def kv_budget_tokens() -> int:
     """The KV tokens batch work may fill: the controller's KV model of one decoder, times the
     decoders, times the share of the cache it leaves to batch work."""
-    from backfill.scheduler.capacity import ControlConfig, Slo
-    from backfill.scheduler.telemetry import KvModel
+    from backfill.scheduler.capacity.law import ControlConfig, Slo
+    from backfill.scheduler.capacity.telemetry import KvModel
 
     kv = KvModel(bytes_per_token=KV_BYTES_PER_TOKEN, budget_bytes=BLOCKS_PER_WORKER * BLOCK * KV_BYTES_PER_TOKEN)
     return int(kv.tokens(0) * WORKERS * ControlConfig(slo=Slo(ttft_s=1.0, itl_s=0.05)).kv_batch_share)
@@ -74,9 +74,11 @@ def prepare_batch(work: Workload, salt: str, model_dir: Path) -> str:
     model's tokenizer for fingerprints)."""
     import orjson
 
-    from backfill.jobs import batches, files, teams, validation
+    from backfill.jobs import batches, files, teams
+    from backfill.jobs.execution.prefixes import tokenizer_blocks
     from backfill.jobs.models import new_id
-    from backfill.jobs.prefixes import tokenizer_blocks
+    from backfill.jobs.validation.outcome import apply_validation
+    from backfill.jobs.validation.scan import Limits, validate_lines
     from backfill.storage.db import unit_of_work
     from backfill.storage.objects import get_object_store
 
@@ -114,15 +116,15 @@ def prepare_batch(work: Workload, salt: str, model_dir: Path) -> str:
             completion_window="24h",
             windows={"24h": 86400},
         ).id
-    result = validation.validate_lines(
+    result = validate_lines(
         store.open(key),
         endpoint="/v1/chat/completions",
         served_models={MODEL},
-        limits=validation.Limits(max_requests=len(order), max_line_bytes=1 << 22, max_errors=10),
+        limits=Limits(max_requests=len(order), max_line_bytes=1 << 22, max_errors=10),
         blocks=tokenizer_blocks(model_dir),
     )
     with unit_of_work() as s:
-        status = validation.apply_validation(s, batch_id=batch_id, result=result)
+        status = apply_validation(s, batch_id=batch_id, result=result)
     if status != "in_progress":
         raise RuntimeError(f"{work.name} batch did not validate: {status} {result.errors[:3]}")
     return batch_id

@@ -8,7 +8,7 @@ Line shapes (`--line-shape`):
 - `scale200`: bench/scale.py's own lines (`write_input`): one user message, ~200 bytes;
 - `all`: both, one after the other.
 
-"Before" is the revision's jobs/validation.py with that revision's modules of validation
+"Before" is the revision's jobs/validation/outcome.py with that revision's modules of validation
 (REVISION_MODULES: reading lines, the per-line checks and their fast path, the prompt
 fingerprints, the request index and the scan; those a revision lacks are skipped); the rest of
 `jobs` is the working tree's.
@@ -206,7 +206,7 @@ def main() -> None:
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT))
-    from backfill.jobs import validation as after
+    from backfill.jobs.validation import scan as after
 
     modules = {"before": load_revision(args.before), "after": after}
     for shape in SHAPES if args.line_shape == "all" else (args.line_shape,):

@@ -2,8 +2,8 @@
 side by side, on one time-compressed trace.
 
 A model of the fleet, stepped in simulated time, around the real decision code: the planner's
-fair share (`scheduler.policy.FairPlanner`) for the capacity the controller releases, and the
-escalation (`scheduler.escalation.Escalator`, `escalated_plan`) for what escalated batches get
+fair share (`scheduler.drain.policy.FairPlanner`) for the capacity the controller releases, and the
+escalation (`scheduler.drain.escalation.Escalator`, `escalated_plan`) for what escalated batches get
 beyond it. The fleet has `slots` sequences; interactive load takes about `load` of them, with
 noise; the controller releases what is left below its target utilisation (`slo_util`, its
 margin under the SLO). A step's interactive requests meet the SLO unless the fleet's sequences
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 from backfill.jobs.sweeps import PendingBatch
-from backfill.scheduler.escalation import EscalationConfig, Escalator, escalated_plan
-from backfill.scheduler.policy import FairPlanner
+from backfill.scheduler.drain.escalation import EscalationConfig, Escalator, escalated_plan
+from backfill.scheduler.drain.policy import FairPlanner
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 TOKENS = 1000  # per line

@@ -126,8 +126,8 @@ class LimitSampler(threading.Thread):
 
     def __init__(self, redis_url: str) -> None:
         super().__init__(daemon=True)
-        from backfill.scheduler.admission import limit_key
-        from backfill.scheduler.leases import RedisLeaseStore
+        from backfill.scheduler.capacity.admission import limit_key
+        from backfill.storage.leases import RedisLeaseStore
 
         self.store, self.key = RedisLeaseStore(redis_url), limit_key(0)
         self.samples: list[int] = []

@@ -10,11 +10,11 @@ from typing import Any
 from sqlalchemy import select, tuple_, update
 from sqlalchemy.orm import Session
 
-from backfill.jobs.billing import current_price_version, quoted_multiplier
+from backfill.jobs.billing.ledger import current_price_version, quoted_multiplier
+from backfill.jobs.billing.windows import check_window
 from backfill.jobs.errors import Conflict, InvalidRequest, NotFound
 from backfill.jobs.files import get_file, validate_expiry
 from backfill.jobs.models import Batch, BatchStatus, utcnow
-from backfill.jobs.windows import check_window
 from backfill.storage.settings import get_settings
 
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/moderations")
@@ -131,7 +131,7 @@ def cancel_batch(session: Session, *, team_id: str | None, batch_id: str) -> Bat
 
 def _move_to_cancelling(session: Session, batch: Batch) -> None:
     # The batch row FOR UPDATE first, as expiry does (`jobs.sweeps.expire_overdue`): it waits for
-    # the claims in flight (each holds FOR KEY SHARE on the row, `jobs.claims`), so their lines
+    # the claims in flight (each holds FOR KEY SHARE on the row, `jobs.execution.claims`), so their lines
     # are seen running and drained before finalization. A plain UPDATE does not conflict with
     # FOR KEY SHARE: a line claimed meanwhile ran and was billed after the files were written.
     session.execute(select(Batch.id).where(Batch.id == batch.id).with_for_update())

@@ -18,7 +18,6 @@ from sqlalchemy import (
     Boolean,
     DateTime,
     Enum,
-    Float,
     ForeignKey,
     Index,
     Integer,
@@ -187,7 +186,7 @@ class Batch(Base):
     # Live counters, bumped in the same transaction that records a request's result.
     total: Mapped[int] = mapped_column(Integer, default=0)
     # Of `total`, the lines whose index rows are still to be written (validation writes a large
-    # index in parts, in release order: `jobs.validation`). The batch runs once its first part
+    # index in parts, in release order: `jobs.validation.outcome`). The batch runs once its first part
     # is in, and is finalized only once this is 0.
     unindexed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     completed: Mapped[int] = mapped_column(Integer, default=0)
@@ -200,12 +199,12 @@ class Batch(Base):
     token_estimate: Mapped[int] = mapped_column(BigInteger, default=0)
     price_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # The window's price multiplier (BACKFILL_WINDOW_PRICE_MULTIPLIERS) when the batch was created,
-    # applied to the general price row (`jobs.billing.batch_rates`); NULL (batches older than
+    # applied to the general price row (`jobs.billing.ledger.batch_rates`); NULL (batches older than
     # migration 0012) bills at 1.
     price_multiplier: Mapped[Decimal | None] = mapped_column(DecimalText, nullable=True)
     # When retention removed the batch's line rows from the database (the result files keep them).
     bodies_purged_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
-    # When the batch's per-line ledger rows were rolled up (`jobs.ledger_rollup`).
+    # When the batch's per-line ledger rows were rolled up (`jobs.billing.rollup`).
     ledger_rolled_up_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
 
     __table_args__ = (Index("ix_batches_team_created", "team_id", "created_at", "id"),)
@@ -233,7 +232,7 @@ class BatchRequest(Base):
     length: Mapped[int] = mapped_column(Integer)
     prefix_hash: Mapped[str] = mapped_column(String(16), default="")
     token_estimate: Mapped[int] = mapped_column(Integer, default=0)
-    # The line's place in its batch's prefix tree (jobs/prefixes.py): release order, the line to
+    # The line's place in its batch's prefix tree (jobs/execution/prefixes.py): release order, the line to
     # finish first (an agent trace's previous turn), the KV tokens it shares with other lines,
     # and the most KV its work holds (for an agent trace's turn, its session's largest context).
     prefix_rank: Mapped[int] = mapped_column(Integer, default=0)
@@ -261,7 +260,7 @@ class BatchRequest(Base):
 
     __table_args__ = (
         # The dispatcher's pick: pending lines of a batch in prefix-tree order (a claim looks at
-        # most jobs.claims.SCAN_LINES into it, so a hot prefix is found there too).
+        # most jobs.execution.claims.SCAN_LINES into it, so a hot prefix is found there too).
         Index("ix_batch_requests_rank", "batch_id", "state", "prefix_rank", "line"),
         # Whether a prefix was served a while ago (its blocks are cached): only lines that ran.
         Index(
@@ -279,12 +278,3 @@ class BatchRequest(Base):
             sqlite_where=text(RUNNING),
         ),
     )
-
-
-class Lease(Base):
-    """Capacity leases and worker heartbeats for the embedded mode (Redis holds them in production)."""
-
-    __tablename__ = "leases"
-    id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    kind: Mapped[str] = mapped_column(String(16), index=True)
-    expires_at: Mapped[float] = mapped_column(Float)

@@ -12,7 +12,7 @@ idempotent and bounded, so a crash mid-way is finished by the next pass.
   is deleted from outside any transaction.
 - A batch is retired once it ended a grace period ago (a finalization redelivered inside it still
   reads its lines): its line rows (its request index, with the fleet's response bodies; the
-  result files keep them) leave the database and its ledger is rolled up (`jobs.ledger_rollup`),
+  result files keep them) leave the database and its ledger is rolled up (`jobs.billing.rollup`),
   one transaction per batch, at most `batches_per_pass` batches a pass. A finished batch then
   leaves a few rows, however many lines it had.
 """
@@ -27,7 +27,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import ColumnElement, and_, delete, exists, or_, select, update
 from sqlalchemy.orm import Session
 
-from backfill.jobs.ledger_rollup import roll_up_ledger
+from backfill.jobs.billing.rollup import roll_up_ledger
 from backfill.jobs.models import TERMINAL_STATUSES, Batch, BatchRequest, File, utcnow
 from backfill.storage.objects import ObjectStore
 

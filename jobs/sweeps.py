@@ -14,7 +14,8 @@ from datetime import datetime
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from backfill.jobs.batch_errors import batch_error
+from backfill.jobs.errors import batch_error
+from backfill.jobs.execution.results import attempts_exceeded, record_outcomes
 from backfill.jobs.models import (
     RUNNING_LINES,
     TERMINAL_STATUSES,
@@ -24,7 +25,6 @@ from backfill.jobs.models import (
     RequestState,
     utcnow,
 )
-from backfill.jobs.results import attempts_exceeded, record_outcomes
 
 
 def running_claim_tokens(session: Session) -> list[str]:
@@ -133,7 +133,7 @@ def line_census(session: Session, batch_id: str, *, now: datetime | None = None)
 def sweep_cancelling(session: Session) -> list[str]:
     """Cancelling batches with nothing left running: ready to finish. Their pending lines stay
     as they are (no claim takes a line of a batch that is not in progress) and finalization
-    writes them as cancelled (`jobs.output`): a cancel costs no write per line."""
+    writes them as cancelled (`jobs.output.finalize`): a cancel costs no write per line."""
     return _settled(session, BatchStatus.cancelling)
 
 
@@ -166,7 +166,7 @@ def expire_overdue(session: Session, *, now: datetime | None = None) -> list[str
     )
     for batch_id in sorted(overdue):  # in id order, as drains record results across batches
         # The batch row first, FOR UPDATE: it waits for the claims in flight on the batch
-        # (each holds FOR KEY SHARE on it, `jobs.claims`) and keeps new ones out until this
+        # (each holds FOR KEY SHARE on it, `jobs.execution.claims`) and keeps new ones out until this
         # commits, when they find the batch no longer in progress. So every running line is
         # here to be seen, and none is claimed after. Those running become expired (their
         # answers, arriving later, fail their compare-and-set and are dropped), skipping any

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from alembic import context
 
-import backfill.jobs.billing_models  # registers the billing tables
-import backfill.jobs.models  # noqa: F401 - registers the tables on Base.metadata
+import backfill.jobs.billing.models
+import backfill.jobs.models
+import backfill.jobs.webhooks.models
+import backfill.storage.leases  # noqa: F401 - registers the leases table
 from backfill.storage.db import Base, get_engine
 
 target_metadata = Base.metadata

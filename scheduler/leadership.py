@@ -24,9 +24,8 @@ from typing import Protocol
 from sqlalchemy import delete, select, update
 from sqlalchemy.exc import IntegrityError
 
-from backfill.jobs.models import Lease
-from backfill.scheduler.leases import LeaseStore, get_lease_store
 from backfill.storage.db import unit_of_work
+from backfill.storage.leases import Lease, LeaseStore, get_lease_store
 from backfill.storage.settings import Settings
 
 log = logging.getLogger("backfill.leader")

@@ -18,8 +18,8 @@ from typing import Literal, ParamSpec, TypeVar
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from backfill.scheduler.capacity_decision import Decision
-from backfill.scheduler.fleet import FleetReply
+from backfill.scheduler.capacity.law import Decision
+from backfill.scheduler.fleet.client import FleetReply
 from backfill.storage.metrics import counter, histogram, latest_gauge
 
 log = logging.getLogger("backfill.metrics")

@@ -10,14 +10,21 @@ from typing import Protocol
 from backfill.jobs.models import utcnow
 from backfill.jobs.sweeps import PendingBatch, pending_batches
 from backfill.jobs.teams import team_weights
-from backfill.scheduler.admission import Admission
-from backfill.scheduler.capacity import CapacityLoop, ControlConfig, Controller, FleetCapacityLoop, Slo
-from backfill.scheduler.escalated_release import EscalatedRelease, EscalationLimits
-from backfill.scheduler.escalation import Escalation, EscalationConfig, Escalator, escalated_plan
-from backfill.scheduler.leases import LeaseStore, get_lease_store
-from backfill.scheduler.policy import FairPlanner, PolicyConfig
-from backfill.scheduler.telemetry import Endpoint, FleetTelemetry, KvModel, parse_endpoints
+from backfill.scheduler.capacity.admission import Admission
+from backfill.scheduler.capacity.controller import CapacityLoop, FleetCapacityLoop
+from backfill.scheduler.capacity.law import ControlConfig, Controller, Slo
+from backfill.scheduler.capacity.telemetry import Endpoint, FleetTelemetry, KvModel, parse_endpoints
+from backfill.scheduler.drain.escalation import (
+    EscalatedRelease,
+    Escalation,
+    EscalationConfig,
+    EscalationLimits,
+    Escalator,
+    escalated_plan,
+)
+from backfill.scheduler.drain.policy import FairPlanner, PolicyConfig
 from backfill.storage.db import unit_of_work
+from backfill.storage.leases import LeaseStore, get_lease_store
 from backfill.storage.settings import Settings, get_settings
 
 
@@ -38,7 +45,7 @@ class Planner:
     """The dispatch policy over a briefly cached view of the batches with work left (their
     counters, their teams' weights, the fleet's batch throughput), so a release decision costs
     no scan of the pending lines. Calling it plans ordinary releases; `relaxed` and `overflow`
-    plan the escalated ones (`scheduler.escalation`) from the same view."""
+    plan the escalated ones (`scheduler.drain.escalation`) from the same view."""
 
     def __init__(self, admission: Admission, refresh_s: float = 0.5, escalator: Escalator | None = None) -> None:
         s = get_settings()

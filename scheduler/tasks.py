@@ -24,18 +24,20 @@ from types import FrameType
 from billiard.process import active_children
 from celery.signals import task_postrun, task_prerun, worker_process_init, worker_shutting_down
 
-from backfill.jobs import output, validation
-from backfill.jobs.catalog import get_catalog
 from backfill.jobs.files import file_key, stored_size
 from backfill.jobs.models import TERMINAL_STATUSES, Batch, BatchStatus
-from backfill.jobs.validation_parallel import default_processes, validate_object
-from backfill.scheduler.dispatcher import Dispatcher
-from backfill.scheduler.fleet import FleetClient
-from backfill.scheduler.leases import exclusive_lease, get_lease_store
+from backfill.jobs.output import finalize as output
+from backfill.jobs.validation import outcome as validation
+from backfill.jobs.validation.scan import Limits
+from backfill.scheduler.drain.dispatcher import Dispatcher
+from backfill.scheduler.fleet.client import FleetClient
 from backfill.scheduler.metrics import timed
 from backfill.scheduler.runtime import get_admission, make_escalation, make_planner
+from backfill.scheduler.validation_pool import default_processes, validate_object
 from backfill.storage.broker import TaskName, celery_app
 from backfill.storage.db import unit_of_work
+from backfill.storage.fleet_models import get_catalog
+from backfill.storage.leases import exclusive_lease, get_lease_store
 from backfill.storage.objects import get_object_store
 from backfill.storage.settings import get_settings
 
@@ -134,7 +136,7 @@ def validate_batch(batch_id: str) -> str:
                 endpoint=endpoint,
                 # (A resumed batch's model was checked when it was validated.)
                 served_models=None if resume else get_catalog().model_ids(),
-                limits=validation.Limits(
+                limits=Limits(
                     max_requests=s.max_requests_per_batch,
                     max_line_bytes=s.max_line_bytes,
                     max_errors=s.max_reported_errors,
@@ -200,7 +202,7 @@ def drain() -> int:
                 leases=leases,
                 admission=admission,
                 # The KV the controller's model leaves to batch work: prefix groups and agent
-                # sessions start only while what is in flight fits it (jobs.claims).
+                # sessions start only while what is in flight fits it (jobs.execution.claims).
                 kv_budget_tokens=await asyncio.to_thread(admission.kv_budget_tokens),
                 fleet=fleet,
                 planner=planner,

@@ -1,5 +1,5 @@
 """Sends due webhook deliveries: claim in one short transaction, POST outside any transaction,
-record each outcome in another (see `jobs.webhooks` for the state machine and the backoff).
+record each outcome in another (see `jobs.webhooks.events` for the state machine and the backoff).
 
 The scheduler loop calls `deliver_in_background()` every tick; one pass at a time runs in a
 thread of its own, so a slow or silent receiver never holds up the loop. At least once: a
@@ -10,9 +10,10 @@ after which it is sent again with the same `webhook-id`, which receivers dedupli
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 
@@ -20,10 +21,8 @@ import httpcore
 import httpx
 from sqlalchemy.orm import Session
 
-from backfill.jobs import webhooks
-from backfill.jobs.webhook_targets import REFUSED, Resolver, TargetPolicy, TargetRefused, system_resolver
-from backfill.jobs.webhooks import DueDelivery
-from backfill.scheduler.pinned_http import PinnedPoster
+from backfill.jobs.webhooks.events import DueDelivery, claim_due, record_attempt, signature_header
+from backfill.jobs.webhooks.targets import REFUSED, Address, Resolver, TargetPolicy, TargetRefused, system_resolver
 from backfill.storage.db import unit_of_work
 
 log = logging.getLogger("backfill.webhooks")
@@ -59,9 +58,7 @@ class WebhookSender:
             "content-type": "application/json",
             "webhook-id": due.msg_id,
             "webhook-timestamp": str(timestamp),
-            "webhook-signature": webhooks.signature_header(
-                due.secrets, msg_id=due.msg_id, timestamp=timestamp, body=due.body
-            ),
+            "webhook-signature": signature_header(due.secrets, msg_id=due.msg_id, timestamp=timestamp, body=due.body),
         }
         try:
             return self.poster.post(due.url, body=due.body, headers=headers), None
@@ -77,14 +74,14 @@ class WebhookSender:
     def deliver_round(self) -> int:
         """Claim what is due, send it (a few at once), record the outcomes; returns how many."""
         with self.units() as session:
-            due = webhooks.claim_due(session, limit=CLAIM_PER_ROUND, hold_s=HOLD_S)
+            due = claim_due(session, limit=CLAIM_PER_ROUND, hold_s=HOLD_S)
         if not due:
             return 0
         with ThreadPoolExecutor(max_workers=min(SENDERS, len(due)), thread_name_prefix="webhook") as pool:
             outcomes = list(pool.map(self.send, due))
         for item, (status_code, error) in zip(due, outcomes, strict=True):
             with self.units() as session:
-                status = webhooks.record_attempt(session, due=item, status_code=status_code, error=error)
+                status = record_attempt(session, due=item, status_code=status_code, error=error)
             if status == "failed":
                 log.warning(
                     "webhook delivery %s to %s gave up after %d attempts", item.delivery_id, item.url, item.attempt
@@ -140,3 +137,86 @@ _background = BackgroundDelivery()
 def deliver_in_background() -> None:
     """The scheduler loop's one call: send what is due without waiting for it."""
     _background.kick()
+
+
+# One HTTP POST to a webhook target, connected to the address its check let through.
+#
+# The check (`jobs.webhooks.targets`) resolves the host and approves every address; if the
+# connection then resolved the name again, a DNS answer that changed in between (rebinding) would
+# send the request somewhere never checked. So the connection goes to the approved address,
+# through an httpcore network backend that knows that one host and its one address, while the
+# request keeps its own Host header and, for https, its SNI and certificate check against the
+# host name. No redirect is followed (httpcore never follows one) and no proxy from the
+# environment is used.
+
+# A receiver gets this long to answer; its body is never read (only the status counts).
+TIMEOUTS = {"connect": 5.0, "read": 10.0, "write": 10.0, "pool": 10.0}
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+class PinnedBackend(httpcore.NetworkBackend):
+    """Connects `host` to `address` and refuses any other host."""
+
+    def __init__(self, host: str, address: Address) -> None:
+        self.host, self.address = host, address
+        self._inner = httpcore.SyncBackend()
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
+    ) -> httpcore.NetworkStream:
+        if host != self.host:
+            raise httpcore.ConnectError("refused: not the checked host")
+        return self._inner.connect_tcp(str(self.address), port, timeout, local_address, socket_options)
+
+    def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None
+    ) -> httpcore.NetworkStream:
+        raise httpcore.ConnectError("refused: no unix sockets")
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+class PinnedPoster:
+    """POSTs to URLs whose host passes `policy`, each connection made to the checked address."""
+
+    def __init__(
+        self,
+        policy: TargetPolicy,
+        *,
+        resolve: Resolver = system_resolver,
+        ssl_context: ssl.SSLContext | None = None,
+        user_agent: str = "backfill",
+    ) -> None:
+        self.policy, self.resolve, self.user_agent = policy, resolve, user_agent
+        self.ssl_context = ssl_context or httpx.create_ssl_context()
+
+    def post(self, url: str, *, body: bytes, headers: Mapping[str, str]) -> int:
+        """The status code of the answer (its body is never read). Raises TargetRefused for a
+        host that is not allowed, OSError when it does not resolve, httpcore errors otherwise."""
+        target = httpx.URL(url)
+        host = target.raw_host.decode("ascii")
+        port = target.port or _DEFAULT_PORTS[target.scheme]
+        address = self.policy.check(host, port, resolve=self.resolve)
+        request_headers = [
+            ("host", target.netloc.decode("ascii")),
+            ("user-agent", self.user_agent),
+            ("content-length", str(len(body))),
+            *headers.items(),
+        ]
+        with httpcore.ConnectionPool(
+            ssl_context=self.ssl_context, network_backend=PinnedBackend(host, address), retries=0
+        ) as pool:
+            with pool.stream(
+                "POST",
+                httpcore.URL(scheme=target.scheme, host=host, port=port, target=target.raw_path),
+                headers=request_headers,
+                content=body,
+                extensions={"timeout": TIMEOUTS},
+            ) as response:
+                return response.status

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 from sqlalchemy.orm import Session
 
-from backfill.jobs import billing
+from backfill.jobs.billing.ledger import current_price_version
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
 
 
@@ -31,7 +31,7 @@ def make_batch(
         created_at=now,
         expires_at=now + timedelta(hours=24),
         total=lines,
-        price_version=billing.current_price_version(session),
+        price_version=current_price_version(session),
     )
     session.add(batch)
     session.flush()

@@ -33,7 +33,9 @@ from backfill.api.protocol import (
     Quota,
     QuotaList,
 )
-from backfill.jobs import billing, quotas, teams
+from backfill.jobs import teams
+from backfill.jobs.billing import ledger as billing
+from backfill.jobs.billing import quotas
 from backfill.jobs.errors import InvalidRequest
 from backfill.storage.settings import parse_duration
 

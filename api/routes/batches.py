@@ -23,7 +23,7 @@ router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=error_respo
 def _accepted_windows(schema: dict[str, Any]) -> None:
     # The document lists the configured set (read when it is generated, at the app's first
     # /openapi.json); the value stays a plain string to the parser, so that an unknown window is
-    # refused by `jobs.windows.check_window` with OpenAI's 400, not by the schema with a 422.
+    # refused by `jobs.billing.windows.check_window` with OpenAI's 400, not by the schema with a 422.
     schema["enum"] = list(get_settings().completion_window_seconds)
 
 

@@ -8,7 +8,7 @@ frontend's Prometheus metrics), the batch requests in flight (capacity leases he
 released lease limit over time.
 
 The API may not import `scheduler`, where the lease store lives, so the lease gauges are read
-here from the store's documented layout (`scheduler/leases.py`): the pool is a Redis sorted set
+here from the store's documented layout (`storage/leases.py`): the pool is a Redis sorted set
 `backfill:lease:<pool>` scored by expiry and published values are `backfill:val:<name>`; in the
 embedded mode, rows of the `leases` table. A test holds this reader to the real store.
 """
@@ -36,8 +36,8 @@ from backfill.api.org_wire import project_id_out
 from backfill.api.wire import batch_id_out, ts
 from backfill.jobs import batches as batch_service
 from backfill.jobs import teams as team_service
-from backfill.jobs.models import Lease
 from backfill.storage.db import unit_of_work
+from backfill.storage.leases import Lease
 from backfill.storage.settings import Settings, get_settings
 
 ASSETS = Path(__file__).resolve().parent.parent / "dashboard"
@@ -49,7 +49,7 @@ _CSP = (
 )
 _PAGE_HEADERS = {"Content-Security-Policy": _CSP, "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
 
-# Mirrors `scheduler.admission` and `scheduler.leases` (see the module docstring).
+# Mirrors `scheduler.capacity.admission` and `storage.leases` (see the module docstring).
 LEASE_NAMESPACE = "backfill"
 FLEET_POOL = "fleet"
 LIMIT_KEY = "limit:fleet"
@@ -177,7 +177,7 @@ def lease_gauges(
 
 
 def released_limit(settings: Settings, published: str | None) -> int:
-    """The limit admission applies now (as `scheduler.admission.Admission.limit`)."""
+    """The limit admission applies now (as `scheduler.capacity.admission.Admission.limit`)."""
     if not settings.capacity_controlled:
         return settings.max_inflight
     return int(published) if published is not None and published.isdigit() else settings.capacity_floor

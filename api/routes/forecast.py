@@ -3,13 +3,13 @@
 - `GET /v1/batches/{batch_id}/cost`: what the batch has cost so far (the usage ledger), scoped to
   the caller's team like the Batches routes (another team's batch answers their 404).
 - `GET /v1/batch_price?model=&completion_window=`: the price a batch created now would be billed
-  at (`jobs.windows.window_price` at the current price version), as the organization's price object.
+  at (`jobs.billing.windows.window_price` at the current price version), as the organization's price object.
 - `GET /v1/batch_prices?model=`: the same for every accepted completion window, each saying whether
   the window has a price of its own or pays the general price times its multiplier.
 - `GET /v1/batch_throughput`: the fleet's batch throughput over a recent window and the work
   queued in in-progress batches, summed over every team; the CLI forecasts completion from it.
 
-The OpenAI routes are untouched: these are separate paths. The numbers come from `jobs.forecast`.
+The OpenAI routes are untouched: these are separate paths. The numbers come from `jobs.billing.forecast`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from backfill.api.org_wire import price_out
 from backfill.api.protocol import BatchCost, BatchThroughput, BatchWindowPrice, BatchWindowPriceList, Price
 from backfill.api.wire import batch_id_in, batch_id_out, ts
 from backfill.jobs import batches as batch_service
-from backfill.jobs import forecast, windows
-from backfill.jobs.billing import CURRENCY, format_micros
+from backfill.jobs.billing import forecast, windows
+from backfill.jobs.billing.ledger import CURRENCY, format_micros
 from backfill.jobs.errors import NotFound
 from backfill.storage.settings import get_settings
 

@@ -7,8 +7,8 @@ from fastapi import APIRouter
 from backfill.api.deps import CurrentPrincipal
 from backfill.api.errors import COMMON_ERRORS, error_responses
 from backfill.api.protocol import Model, ModelList
-from backfill.jobs.catalog import get_catalog
 from backfill.jobs.errors import NotFound
+from backfill.storage.fleet_models import get_catalog
 
 router = APIRouter(prefix="/v1/models", tags=["models"], responses=error_responses(*COMMON_ERRORS, 503))
 

@@ -1,6 +1,6 @@
 """Extension: the finished lines of a batch, while it runs (`GET /v1/batches/{id}/partial_output`).
 
-The bytes are those finalization will write for the same lines (`jobs.output_pages.result_lines`):
+The bytes are those finalization will write for the same lines (`jobs.output.pages.result_lines`):
 `kind=output` gives the lines that succeeded, as in `output.jsonl`; `kind=errors` the lines that
 failed (or were cancelled or expired), as in `error.jsonl`. Input order. A line still pending is
 an error line only once the batch will never run it (cancelled, or expired): then as written in
@@ -29,8 +29,8 @@ from backfill.api.wire import batch_id_in
 from backfill.jobs import batches as batch_service
 from backfill.jobs.errors import Conflict
 from backfill.jobs.models import Batch, BatchStatus, RequestState
-from backfill.jobs.output_format import ERROR_STATES, OUTPUT_STATES
-from backfill.jobs.output_pages import result_lines
+from backfill.jobs.output.format import ERROR_STATES, OUTPUT_STATES
+from backfill.jobs.output.pages import result_lines
 from backfill.storage.db import unit_of_work
 from backfill.storage.settings import get_settings
 

@@ -22,10 +22,10 @@ from backfill.api.protocol import (
     CostsResult,
 )
 from backfill.api.wire import ts
+from backfill.jobs.billing.usage import BUCKET_WIDTHS, UsageTotals, align, resolved_end, usage_totals
 from backfill.jobs.errors import InvalidRequest
 from backfill.jobs.models import utcnow
 from backfill.jobs.teams import Principal
-from backfill.jobs.usage import BUCKET_WIDTHS, UsageTotals, align, resolved_end, usage_totals
 
 router = APIRouter(prefix="/v1/organization", tags=["usage"], responses=error_responses(*COMMON_ERRORS))
 

@@ -13,9 +13,21 @@ from backfill.api.deps import CurrentPrincipal, DbSession
 from backfill.api.errors import COMMON_ERRORS, error_responses
 from backfill.api.protocol import ListPage
 from backfill.api.wire import batch_id_out, ts
-from backfill.jobs import webhooks as webhook_service
 from backfill.jobs.errors import NotFound
-from backfill.jobs.webhook_models import WebhookDelivery, WebhookEndpoint, WebhookEvent
+from backfill.jobs.webhooks.events import (
+    EVENT_TYPES,
+    MAX_NAME_CHARS,
+    MAX_URL_CHARS,
+    create_endpoint,
+    delete_endpoint,
+    get_endpoint,
+    list_deliveries,
+    list_endpoints,
+    rotate_secret,
+    secret_hint,
+    update_endpoint,
+)
+from backfill.jobs.webhooks.models import WebhookDelivery, WebhookEndpoint, WebhookEvent
 
 router = APIRouter(prefix="/v1", tags=["webhooks"], responses=error_responses(*COMMON_ERRORS))
 
@@ -81,16 +93,16 @@ class WebhookDeliveryObject(BaseModel):
 
 class CreateEndpointBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(min_length=1, max_length=webhook_service.MAX_NAME_CHARS)
-    url: str = Field(min_length=1, max_length=webhook_service.MAX_URL_CHARS)
-    event_types: list[EventType] = Field(min_length=1, max_length=len(webhook_service.EVENT_TYPES))
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    url: str = Field(min_length=1, max_length=MAX_URL_CHARS)
+    event_types: list[EventType] = Field(min_length=1, max_length=len(EVENT_TYPES))
 
 
 class UpdateEndpointBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str | None = Field(default=None, min_length=1, max_length=webhook_service.MAX_NAME_CHARS)
-    url: str | None = Field(default=None, min_length=1, max_length=webhook_service.MAX_URL_CHARS)
-    event_types: list[EventType] | None = Field(default=None, min_length=1, max_length=len(webhook_service.EVENT_TYPES))
+    name: str | None = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
+    url: str | None = Field(default=None, min_length=1, max_length=MAX_URL_CHARS)
+    event_types: list[EventType] | None = Field(default=None, min_length=1, max_length=len(EVENT_TYPES))
 
 
 class RotateSecretBody(BaseModel):
@@ -111,7 +123,7 @@ def endpoint_out(e: WebhookEndpoint) -> WebhookEndpointObject:
         name=e.name,
         url=e.url,
         event_types=list(e.event_types),
-        signing_secret_hint=webhook_service.secret_hint(e.secret),
+        signing_secret_hint=secret_hint(e.secret),
         created_at=ts(e.created_at),
         updated_at=ts(e.updated_at),
     )
@@ -145,7 +157,7 @@ def delivery_out(d: WebhookDelivery, event: WebhookEvent) -> WebhookDeliveryObje
 def create_webhook_endpoint(
     body: CreateEndpointBody, principal: CurrentPrincipal, session: DbSession
 ) -> WebhookEndpointWithSecret:
-    endpoint = webhook_service.create_endpoint(
+    endpoint = create_endpoint(
         session, team_id=principal.team_id, name=body.name, url=body.url, event_types=body.event_types
     )
     return _with_secret(endpoint)
@@ -158,7 +170,7 @@ def list_webhook_endpoints(
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> ListPage[WebhookEndpointObject]:
-    rows, has_more = webhook_service.list_endpoints(
+    rows, has_more = list_endpoints(
         session, team_id=principal.team_id, limit=limit, after=_endpoint_id_in(after) if after else None
     )
     return ListPage[WebhookEndpointObject].of([endpoint_out(e) for e in rows], has_more=has_more)
@@ -169,9 +181,7 @@ def retrieve_webhook_endpoint(
     webhook_endpoint_id: str, principal: CurrentPrincipal, session: DbSession
 ) -> WebhookEndpointObject:
     return endpoint_out(
-        webhook_service.get_endpoint(
-            session, team_id=principal.team_id, endpoint_id=_endpoint_id_in(webhook_endpoint_id)
-        )
+        get_endpoint(session, team_id=principal.team_id, endpoint_id=_endpoint_id_in(webhook_endpoint_id))
     )
 
 
@@ -179,7 +189,7 @@ def retrieve_webhook_endpoint(
 def update_webhook_endpoint(
     webhook_endpoint_id: str, body: UpdateEndpointBody, principal: CurrentPrincipal, session: DbSession
 ) -> WebhookEndpointObject:
-    endpoint = webhook_service.update_endpoint(
+    endpoint = update_endpoint(
         session,
         team_id=principal.team_id,
         endpoint_id=_endpoint_id_in(webhook_endpoint_id),
@@ -194,9 +204,7 @@ def update_webhook_endpoint(
 def delete_webhook_endpoint(
     webhook_endpoint_id: str, principal: CurrentPrincipal, session: DbSession
 ) -> WebhookEndpointDeleted:
-    endpoint = webhook_service.delete_endpoint(
-        session, team_id=principal.team_id, endpoint_id=_endpoint_id_in(webhook_endpoint_id)
-    )
+    endpoint = delete_endpoint(session, team_id=principal.team_id, endpoint_id=_endpoint_id_in(webhook_endpoint_id))
     return WebhookEndpointDeleted(id=ENDPOINT_PREFIX + endpoint.id, object="webhook_endpoint.deleted", deleted=True)
 
 
@@ -207,7 +215,7 @@ def rotate_webhook_secret(
     session: DbSession,
     body: RotateSecretBody | None = None,
 ) -> WebhookEndpointWithSecret:
-    endpoint = webhook_service.rotate_secret(
+    endpoint = rotate_secret(
         session,
         team_id=principal.team_id,
         endpoint_id=_endpoint_id_in(webhook_endpoint_id),
@@ -218,7 +226,7 @@ def rotate_webhook_secret(
 
 @router.get("/webhook_event_types")
 def list_webhook_event_types(principal: CurrentPrincipal) -> WebhookEventTypeList:
-    return WebhookEventTypeList(object="list", data=list(webhook_service.EVENT_TYPES))
+    return WebhookEventTypeList(object="list", data=list(EVENT_TYPES))
 
 
 @router.get("/webhook_endpoints/{webhook_endpoint_id}/deliveries")
@@ -230,7 +238,7 @@ def list_webhook_deliveries(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> ListPage[WebhookDeliveryObject]:
     """Extension: the delivery log of one endpoint, newest first."""
-    rows, has_more = webhook_service.list_deliveries(
+    rows, has_more = list_deliveries(
         session,
         team_id=principal.team_id,
         endpoint_id=_endpoint_id_in(webhook_endpoint_id),

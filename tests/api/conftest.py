@@ -20,7 +20,7 @@ UNREACHABLE_FLEET = "http://127.0.0.1:9/v1"  # the discard port: nothing listens
 
 
 def _clear_caches() -> None:
-    from backfill.jobs import catalog
+    from backfill.storage import fleet_models as catalog
     from backfill.storage.db import _session_factory, get_engine
     from backfill.storage.objects import get_object_store
     from backfill.storage.settings import get_settings

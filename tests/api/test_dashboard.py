@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from backfill.api.routes import dashboard
-from backfill.scheduler.leases import RedisLeaseStore, SqlLeaseStore
+from backfill.storage.leases import RedisLeaseStore, SqlLeaseStore
 from backfill.storage.settings import Settings, get_settings
 from tests.api.conftest import ApiEnv, CheckedClient, Team
 from tests.api.test_batches import create

@@ -11,11 +11,12 @@ import pytest
 
 from backfill.api.protocol import BatchCost, BatchThroughput, Price
 from backfill.api.wire import batch_id_in
-from backfill.jobs import billing
-from backfill.jobs.claims import claim_requests
-from backfill.jobs.replies import Outcome, Usage
-from backfill.jobs.results import record_outcomes
-from backfill.jobs.validation import Limits, apply_validation, validate_lines
+from backfill.jobs.billing.ledger import Rates, format_micros, price_request
+from backfill.jobs.execution.claims import claim_requests
+from backfill.jobs.execution.replies import Outcome, Usage
+from backfill.jobs.execution.results import record_outcomes
+from backfill.jobs.validation.outcome import apply_validation
+from backfill.jobs.validation.scan import Limits, validate_lines
 from backfill.storage.db import unit_of_work
 from tests.api.conftest import CheckedClient, Team
 from tests.api.test_files import upload
@@ -111,10 +112,10 @@ def test_cost_so_far_with_a_team_key(
     }
 
     _record(batch_id, (1, _ok(120_000, 20_000, 3_000)), (2, _failed()))
-    rates = billing.Rates(input=150_000, cached_input=75_000, output=600_000)
-    expected = billing.price_request(rates, prompt_tokens=120_000, cached_tokens=20_000, completion_tokens=3_000)
+    rates = Rates(input=150_000, cached_input=75_000, output=600_000)
+    expected = price_request(rates, prompt_tokens=120_000, cached_tokens=20_000, completion_tokens=3_000)
     cost = BatchCost.model_validate(api.get(path, headers=team.headers).json())
-    assert cost.amount == billing.format_micros(expected.total_micros) == "0.009150"
+    assert cost.amount == format_micros(expected.total_micros) == "0.009150"
     assert (cost.requests, cost.input_tokens, cost.cached_tokens, cost.output_tokens) == (1, 120_000, 20_000, 3_000)
     # The same totals as the batch's own usage.
     usage = api.get(f"/v1/batches/{wire_id}", headers=team.headers).json()["usage"]

@@ -8,12 +8,13 @@ import json
 from sqlalchemy import update
 
 from backfill.api.wire import batch_id_in
-from backfill.jobs.claims import claim_requests
+from backfill.jobs.execution.claims import claim_requests
+from backfill.jobs.execution.replies import Outcome, Usage
+from backfill.jobs.execution.results import record_outcomes
 from backfill.jobs.models import Batch, utcnow
-from backfill.jobs.output import finalize_batch
-from backfill.jobs.replies import Outcome, Usage
-from backfill.jobs.results import record_outcomes
-from backfill.jobs.validation import Limits, apply_validation, validate_lines
+from backfill.jobs.output.finalize import finalize_batch
+from backfill.jobs.validation.outcome import apply_validation
+from backfill.jobs.validation.scan import Limits, validate_lines
 from backfill.storage.db import unit_of_work
 from backfill.storage.objects import get_object_store
 from tests.api.conftest import CheckedClient, Team

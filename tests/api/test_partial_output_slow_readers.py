@@ -19,8 +19,8 @@ import pytest
 import uvicorn
 from sqlalchemy import create_engine
 
-from backfill.jobs import output_pages
-from backfill.jobs.replies import Outcome, Usage
+from backfill.jobs.execution.replies import Outcome, Usage
+from backfill.jobs.output import pages as output_pages
 from backfill.storage import db as storage_db
 from backfill.storage import settings
 from tests.api.conftest import ApiEnv, CheckedClient, Team

@@ -1,5 +1,5 @@
 """Usage is resolved to the minute: a finished batch's ledger is rolled up into rows stamped at
-the start of their minute (jobs.ledger_rollup), so a query must read whole minutes or its totals
+the start of their minute (jobs.billing.rollup), so a query must read whole minutes or its totals
 would change when the rollup runs. Lines at 12:00:10 and 12:00:50 and a query ending 12:00:30:
 the same two requests before and after the rollup (end_time rounds up to 12:01)."""
 
@@ -10,10 +10,10 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy.orm import Session, sessionmaker
 
 from backfill.api.org_wire import project_id_in
-from backfill.jobs.billing_models import UsageLedgerEntry
-from backfill.jobs.ledger_rollup import roll_up_ledger
+from backfill.jobs.billing.models import UsageLedgerEntry
+from backfill.jobs.billing.rollup import roll_up_ledger
+from backfill.jobs.billing.usage import usage_totals
 from backfill.jobs.models import Batch, BatchStatus, Team, utcnow
-from backfill.jobs.usage import usage_totals
 from backfill.storage.db import unit_of_work
 from tests.api.conftest import CheckedClient
 from tests.api.conftest import Team as ApiTeam
@@ -52,7 +52,7 @@ def _totals(session: Session, team_id: str, end: datetime) -> tuple[int, int, in
 
 
 def test_rolled_up_rows_give_the_same_totals_for_an_unaligned_end(db: sessionmaker[Session]) -> None:
-    from backfill.jobs.usage import resolved_end
+    from backfill.jobs.billing.usage import resolved_end
 
     with db.begin() as s:
         team = Team(name="t")

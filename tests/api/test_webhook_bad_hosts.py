@@ -10,8 +10,8 @@ import ipaddress
 
 import pytest
 
-from backfill.jobs.webhook_targets import REFUSED, TargetPolicy, TargetRefused
-from backfill.jobs.webhooks import DueDelivery, new_signing_secret
+from backfill.jobs.webhooks.events import DueDelivery, new_signing_secret
+from backfill.jobs.webhooks.targets import REFUSED, TargetPolicy, TargetRefused
 from backfill.scheduler.webhook_delivery import WebhookSender
 from tests.api.conftest import CheckedClient, Team
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 
 from backfill.jobs.errors import InvalidRequest
-from backfill.jobs.webhook_targets import REFUSED, TargetPolicy, TargetRefused, check_url_target, literal_address
-from backfill.scheduler.pinned_http import PinnedPoster
+from backfill.jobs.webhooks.targets import REFUSED, TargetPolicy, TargetRefused, check_url_target, literal_address
+from backfill.scheduler.webhook_delivery import PinnedPoster
 
 PRODUCTION = TargetPolicy()
 
@@ -98,13 +98,13 @@ def test_public_addresses_pass(host: str) -> None:
     ],
 )
 def test_registration_refuses_non_public_urls(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from backfill.jobs import webhooks
+    from backfill.jobs.webhooks.events import _check_url
 
     monkeypatch.setenv("BACKFILL_ENVIRONMENT", "production")
     monkeypatch.setenv("BACKFILL_WEBHOOK_ALLOWED_HOSTS", "")
     _reload_settings(monkeypatch)
     with pytest.raises(InvalidRequest) as refused:
-        webhooks._check_url(url)
+        _check_url(url)
     assert refused.value.param == "url"
 
 

@@ -14,10 +14,16 @@ from sqlalchemy import select
 from standardwebhooks import Webhook
 
 from backfill.api.wire import batch_id_in
-from backfill.jobs import webhooks
 from backfill.jobs.models import BatchStatus
-from backfill.jobs.validation import fail_batch_validation
-from backfill.jobs.webhook_models import WebhookDelivery, WebhookEvent
+from backfill.jobs.validation.outcome import fail_batch_validation
+from backfill.jobs.webhooks.events import (
+    MAX_ENDPOINTS_PER_TEAM,
+    new_signing_secret,
+    record_batch_event,
+    sign,
+    signature_header,
+)
+from backfill.jobs.webhooks.models import WebhookDelivery, WebhookEvent
 from backfill.storage.db import unit_of_work
 from tests.api.conftest import CheckedClient, Team
 from tests.api.test_batches import create
@@ -35,7 +41,7 @@ def new_endpoint(api: CheckedClient, team: Team, **extra: object) -> dict[str, o
 
 def test_signature_reproduces_the_standard_webhooks_test_vector() -> None:
     # The spec's published vector: a receiver's library must verify exactly what we send.
-    signature = webhooks.sign(
+    signature = sign(
         "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
         msg_id="msg_p5jXN8AQM9LWM0D4loKWxJek",
         timestamp=1614265330,
@@ -45,15 +51,15 @@ def test_signature_reproduces_the_standard_webhooks_test_vector() -> None:
 
 
 def test_signatures_verify_with_the_reference_library_for_every_active_secret() -> None:
-    old, new = webhooks.new_signing_secret(), webhooks.new_signing_secret()
+    old, new = new_signing_secret(), new_signing_secret()
     assert old.startswith("whsec_") and len(base64.b64decode(old.removeprefix("whsec_"))) == 32
     body, msg_id, now = b'{"id": "evt_1", "type": "batch.completed"}', "evt_1", int(datetime.now(UTC).timestamp())
-    header = webhooks.signature_header([new, old], msg_id=msg_id, timestamp=now, body=body)
+    header = signature_header([new, old], msg_id=msg_id, timestamp=now, body=body)
     headers = {"webhook-id": msg_id, "webhook-timestamp": str(now), "webhook-signature": header}
     for secret in (new, old):  # during a rotation's overlap either secret verifies
         assert Webhook(secret).verify(body, headers) == orjson.loads(body)
     with pytest.raises(Exception, match="No matching signature"):
-        Webhook(webhooks.new_signing_secret()).verify(body, headers)
+        Webhook(new_signing_secret()).verify(body, headers)
 
 
 def test_endpoint_lifecycle_shows_the_secret_only_at_creation_and_rotation(api: CheckedClient, team: Team) -> None:
@@ -116,7 +122,7 @@ def test_bad_endpoints_are_refused_with_the_param(
 
 
 def test_a_team_holds_a_bounded_number_of_endpoints(api: CheckedClient, team: Team) -> None:
-    for _ in range(webhooks.MAX_ENDPOINTS_PER_TEAM):
+    for _ in range(MAX_ENDPOINTS_PER_TEAM):
         new_endpoint(api, team)
     r = api.post(
         "/v1/webhook_endpoints",
@@ -151,7 +157,7 @@ def test_terminal_status_writes_one_outbox_event_in_its_own_transaction(
         with unit_of_work() as session:
             fail_batch_validation(session, batch_id=batch_id, message="boom")
     with unit_of_work() as session:
-        assert webhooks.record_batch_event(session, batch_id=batch_id, status=BatchStatus.failed) is None  # idempotent
+        assert record_batch_event(session, batch_id=batch_id, status=BatchStatus.failed) is None  # idempotent
         events = list(session.execute(select(WebhookEvent).where(WebhookEvent.batch_id == batch_id)).scalars())
         assert len(events) == 1
         deliveries = list(

@@ -16,10 +16,21 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 from standardwebhooks import Webhook
 
-from backfill.jobs import webhooks
 from backfill.jobs.models import Batch, BatchStatus, Team, utcnow
-from backfill.jobs.webhook_models import DeliveryStatus, WebhookDelivery, WebhookEndpoint, WebhookEvent
-from backfill.jobs.webhook_targets import REFUSED, TargetPolicy
+from backfill.jobs.webhooks.events import (
+    EVENT_TYPES,
+    GIVE_UP_AFTER,
+    HISTORY_KEPT,
+    claim_due,
+    create_endpoint,
+    delete_endpoint,
+    list_deliveries,
+    new_signing_secret,
+    record_attempt,
+    record_batch_event,
+)
+from backfill.jobs.webhooks.models import DeliveryStatus, WebhookDelivery, WebhookEndpoint, WebhookEvent
+from backfill.jobs.webhooks.targets import REFUSED, TargetPolicy
 from backfill.scheduler.webhook_delivery import WebhookSender
 
 
@@ -78,12 +89,10 @@ class Receiver:
 
 def _event(session: Session, url: str, status: BatchStatus = BatchStatus.completed) -> tuple[str, str]:
     """A team with an endpoint at `url` and a batch that just reached `status`: (secret, batch id)."""
-    team = Team(name=f"t-{webhooks.new_signing_secret()[-8:]}")
+    team = Team(name=f"t-{new_signing_secret()[-8:]}")
     session.add(team)
     session.flush()
-    endpoint = webhooks.create_endpoint(
-        session, team_id=team.id, name="r", url=url, event_types=list(webhooks.EVENT_TYPES)
-    )
+    endpoint = create_endpoint(session, team_id=team.id, name="r", url=url, event_types=list(EVENT_TYPES))
     now = utcnow()
     batch = Batch(
         team_id=team.id,
@@ -96,7 +105,7 @@ def _event(session: Session, url: str, status: BatchStatus = BatchStatus.complet
     )
     session.add(batch)
     session.flush()
-    assert webhooks.record_batch_event(session, batch_id=batch.id, status=status) is not None
+    assert record_batch_event(session, batch_id=batch.id, status=status) is not None
     return endpoint.secret, batch.id
 
 
@@ -156,7 +165,7 @@ def test_a_failed_delivery_is_retried_with_backoff_and_lands_once(
     with db.begin() as session:
         endpoint_id = session.execute(select(WebhookEndpoint.id)).scalar_one()
         team_id = session.execute(select(WebhookEndpoint.team_id)).scalar_one()
-        ((logged, event),), has_more = webhooks.list_deliveries(
+        ((logged, event),), has_more = list_deliveries(
             session, team_id=team_id, endpoint_id=endpoint_id, limit=10, after=None
         )
     assert not has_more and logged.attempts == 2 and event.type == "batch.completed"
@@ -178,8 +187,8 @@ def test_the_backoff_doubles_to_an_hour_and_gives_up_after_a_day(db: sessionmake
     now, gaps = created, []
     for _ in range(100):
         with db.begin() as session:
-            (due,) = webhooks.claim_due(session, now=now)
-            status = webhooks.record_attempt(session, due=due, status_code=503, error=None, now=now)
+            (due,) = claim_due(session, now=now)
+            status = record_attempt(session, due=due, status_code=503, error=None, now=now)
         row = _delivery(db)
         if status == DeliveryStatus.failed:
             break
@@ -188,9 +197,9 @@ def test_the_backoff_doubles_to_an_hour_and_gives_up_after_a_day(db: sessionmake
         now = row.next_attempt_at
     assert row.status == DeliveryStatus.failed and row.next_attempt_at is None
     assert 25 <= row.attempts <= 36, row.attempts
-    assert timedelta(hours=22) < now - created <= webhooks.GIVE_UP_AFTER
+    assert timedelta(hours=22) < now - created <= GIVE_UP_AFTER
     assert 5.0 <= gaps[0] <= 5.5 and 10.0 <= gaps[1] <= 11.0 and 3600 <= max(gaps) <= 3960
-    assert len(row.history) == webhooks.HISTORY_KEPT  # the log is capped
+    assert len(row.history) == HISTORY_KEPT  # the log is capped
 
 
 def test_a_sender_that_dies_mid_attempt_only_delays_the_delivery(db: sessionmaker[Session]) -> None:
@@ -198,16 +207,16 @@ def test_a_sender_that_dies_mid_attempt_only_delays_the_delivery(db: sessionmake
         _event(session, "http://127.0.0.1:9/hooks")
     now = utcnow()
     with db.begin() as session:
-        (lost,) = webhooks.claim_due(session, now=now, hold_s=60)  # its sender never records
+        (lost,) = claim_due(session, now=now, hold_s=60)  # its sender never records
     with db.begin() as session:
-        assert webhooks.claim_due(session, now=now + timedelta(seconds=30)) == []  # still held
+        assert claim_due(session, now=now + timedelta(seconds=30)) == []  # still held
     with db.begin() as session:
-        (again,) = webhooks.claim_due(session, now=now + timedelta(seconds=61))
+        (again,) = claim_due(session, now=now + timedelta(seconds=61))
     assert again.msg_id == lost.msg_id and again.attempt == lost.attempt == 1
     with db.begin() as session:
-        assert webhooks.record_attempt(session, due=again, status_code=204, error=None) == DeliveryStatus.delivered
+        assert record_attempt(session, due=again, status_code=204, error=None) == DeliveryStatus.delivered
     with db.begin() as session:  # the first sender coming back late records nothing
-        assert webhooks.record_attempt(session, due=lost, status_code=500, error=None) is None
+        assert record_attempt(session, due=lost, status_code=500, error=None) is None
     assert _delivery(db).status == DeliveryStatus.delivered and _delivery(db).attempts == 1
 
 
@@ -215,10 +224,10 @@ def test_deleting_the_endpoint_drops_what_it_had_left_to_receive(db: sessionmake
     with db.begin() as session:
         _event(session, "http://127.0.0.1:9/hooks")
         endpoint = session.execute(select(WebhookEndpoint)).scalar_one()
-        webhooks.delete_endpoint(session, team_id=endpoint.team_id, endpoint_id=endpoint.id)
+        delete_endpoint(session, team_id=endpoint.team_id, endpoint_id=endpoint.id)
     with db.begin() as session:
         assert session.execute(select(WebhookDelivery)).first() is None
-        assert webhooks.claim_due(session, now=utcnow() + timedelta(days=1)) == []
+        assert claim_due(session, now=utcnow() + timedelta(days=1)) == []
 
 
 def test_delivery_refuses_a_name_that_resolves_to_a_private_address_now(

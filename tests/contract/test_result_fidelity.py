@@ -20,7 +20,7 @@ from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
-from backfill.jobs.replies import normalise_body, request_id_of
+from backfill.jobs.execution.replies import normalise_body, request_id_of
 from tests.e2e.helpers import MODEL, chat_line, jsonl, read_lines, upload, wait_for
 
 SDK_MODELS: dict[str, type[pydantic.BaseModel]] = {

@@ -225,7 +225,7 @@ def test_each_service_has_the_production_settings(rendered: Rendered, component:
     assert s.s3_bucket
     assert s.fleet_url_list, "no BACKFILL_FLEET_URLS"
     if s.fleet_metrics_urls:
-        from backfill.scheduler.telemetry import parse_endpoints
+        from backfill.scheduler.capacity.telemetry import parse_endpoints
 
         assert len(parse_endpoints(s.fleet_metrics_spec)) == len(s.fleet_url_list)
     s.check_production()  # configured keys are not development secrets

@@ -22,10 +22,11 @@ import orjson
 import pytest
 
 from backfill.devfleet.services import create_database, drop_database
-from backfill.scheduler.admission import LIMIT_KEY, POOL, Admission
-from backfill.scheduler.capacity import CapacityLoop, ControlConfig, Controller, Decision, Slo
-from backfill.scheduler.leases import RedisLeaseStore
-from backfill.scheduler.telemetry import Endpoint, FleetTelemetry
+from backfill.scheduler.capacity.admission import LIMIT_KEY, POOL, Admission
+from backfill.scheduler.capacity.controller import CapacityLoop
+from backfill.scheduler.capacity.law import ControlConfig, Controller, Decision, Slo
+from backfill.scheduler.capacity.telemetry import Endpoint, FleetTelemetry
+from backfill.storage.leases import RedisLeaseStore
 from tests.conftest import PG_ADMIN_URL, ROOT
 
 pytestmark = pytest.mark.e2e
@@ -93,8 +94,10 @@ def make_batch(
     team: str, n: int, *, expires_in_s: float, max_tokens: int, prompt_words: int = 40, weight: int = 1
 ) -> str:
     """A validated, in-progress batch, through the same service functions the API uses."""
-    from backfill.jobs import batches, files, teams, validation
+    from backfill.jobs import batches, files, teams
     from backfill.jobs.models import Team, new_id
+    from backfill.jobs.validation.outcome import apply_validation
+    from backfill.jobs.validation.scan import Limits, validate_lines
     from backfill.storage.db import unit_of_work
     from backfill.storage.objects import get_object_store
 
@@ -142,14 +145,14 @@ def make_batch(
             completion_window=window,
             windows={window: int(expires_in_s)},
         ).id
-    result = validation.validate_lines(
+    result = validate_lines(
         store.open(files.file_key(team_id, file_id)),
         endpoint="/v1/chat/completions",
         served_models={MODEL},
-        limits=validation.Limits(max_requests=n, max_line_bytes=1 << 20, max_errors=5),
+        limits=Limits(max_requests=n, max_line_bytes=1 << 20, max_errors=5),
     )
     with unit_of_work() as s:
-        assert validation.apply_validation(s, batch_id=batch_id, result=result) == "in_progress"
+        assert apply_validation(s, batch_id=batch_id, result=result) == "in_progress"
     return batch_id
 
 
@@ -182,8 +185,8 @@ class Drain:
         self.thread = threading.Thread(target=lambda: asyncio.run(self._loop()), daemon=True)
 
     async def _loop(self) -> None:
-        from backfill.scheduler.dispatcher import Dispatcher
-        from backfill.scheduler.fleet import FleetClient
+        from backfill.scheduler.drain.dispatcher import Dispatcher
+        from backfill.scheduler.fleet.client import FleetClient
         from backfill.storage.objects import get_object_store
 
         fleet = FleetClient([self.fleet_url], timeout_s=120)
@@ -258,10 +261,10 @@ def sample(fn: Callable[[], int], seconds: float, every_s: float = 0.1) -> list[
 
 DRAIN_SCRIPT = """
 import asyncio, sys
-from backfill.scheduler.admission import Admission
-from backfill.scheduler.dispatcher import Dispatcher
-from backfill.scheduler.fleet import FleetClient
-from backfill.scheduler.leases import RedisLeaseStore
+from backfill.scheduler.capacity.admission import Admission
+from backfill.scheduler.drain.dispatcher import Dispatcher
+from backfill.scheduler.fleet.client import FleetClient
+from backfill.storage.leases import RedisLeaseStore
 from backfill.scheduler.runtime import make_planner
 from backfill.storage.objects import get_object_store
 

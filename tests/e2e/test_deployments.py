@@ -28,8 +28,8 @@ from backfill.devfleet.processes import free_port
 from backfill.devfleet.s3 import SeaweedS3
 from backfill.devfleet.services import private_redis
 from backfill.devfleet.stack import Stack, launch_stack
-from backfill.scheduler.breaker import BreakerPolicy, BreakerState
-from backfill.scheduler.fleet import FleetClient
+from backfill.scheduler.fleet.breaker import BreakerPolicy, BreakerState
+from backfill.scheduler.fleet.client import FleetClient
 from tests.e2e.fault_probes import FleetInflight
 from tests.e2e.helpers import MODEL, chat_line, jsonl, read_lines, upload, wait_for, wait_until
 

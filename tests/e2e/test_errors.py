@@ -145,8 +145,12 @@ def test_file_expiry_and_models(client) -> None:
 
 def test_oversize_json_body_is_refused(stack) -> None:
     h = {"Authorization": f"Bearer {stack.key}"}
-    huge = {"input_file_id": "file-x", "endpoint": "/v1/chat/completions", "completion_window": "24h",
-            "metadata": {"k": "v" * (2 * 1024 * 1024)}}
+    huge = {
+        "input_file_id": "file-x",
+        "endpoint": "/v1/chat/completions",
+        "completion_window": "24h",
+        "metadata": {"k": "v" * (2 * 1024 * 1024)},
+    }
     err = _envelope(httpx.post(stack.base_url + "/batches", headers=h, json=huge), 413)
     assert err["code"] == "request_too_large"
 

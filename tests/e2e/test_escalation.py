@@ -26,7 +26,7 @@ from backfill.devfleet.processes import free_port
 from backfill.devfleet.s3 import SeaweedS3
 from backfill.devfleet.services import private_redis
 from backfill.devfleet.stack import Stack, launch_stack
-from backfill.scheduler.escalated_release import OVERFLOW_PREFIX
+from backfill.scheduler.drain.escalation import OVERFLOW_PREFIX
 from tests.e2e.fault_probes import SendCounter
 from tests.e2e.helpers import MODEL, chat_line, jsonl, read_lines, upload, wait_for
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from backfill.up_lock import forget, holders, record
+from backfill.up import forget, holders, record
 
 
 def test_a_live_process_holds_the_home_and_a_gone_or_reused_pid_does_not(tmp_path: Path) -> None:

@@ -102,7 +102,7 @@ def test_an_unknown_window_is_a_400_in_openais_envelope(sdk: openai.OpenAI) -> N
 
 
 def _by_hand(tokens: int, rate: float) -> int:
-    """tokens x rate / 1e6 at 50% off, to the nearest micro, halves up (`jobs.billing.component_cost`)."""
+    """tokens x rate / 1e6 at 50% off, to the nearest micro, halves up (`jobs.billing.ledger.component_cost`)."""
     numerator = tokens * round(rate) * 50
     return (numerator + 50_000_000) // 100_000_000
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from backfill.jobs.batch_errors import MESSAGE_CHARS, batch_error
+from backfill.jobs.errors import MESSAGE_CHARS, batch_error
 from backfill.jobs.sweeps import EXPIRED_BEFORE_VALIDATION
 
 

@@ -11,14 +11,14 @@ import pytest
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from backfill.jobs import billing
 from backfill.jobs.batches import create_batch
-from backfill.jobs.billing_models import UsageLedgerEntry
-from backfill.jobs.claims import claim_requests
-from backfill.jobs.forecast import cost_so_far
+from backfill.jobs.billing.forecast import cost_so_far
+from backfill.jobs.billing.ledger import Rates, set_price
+from backfill.jobs.billing.models import UsageLedgerEntry
+from backfill.jobs.execution.claims import claim_requests
+from backfill.jobs.execution.replies import Outcome, Usage
+from backfill.jobs.execution.results import record_outcome
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, File, Team
-from backfill.jobs.replies import Outcome, Usage
-from backfill.jobs.results import record_outcome
 from backfill.storage.settings import get_settings
 
 WINDOWS = {"24h": 86400, "7d": 7 * 86400}
@@ -85,7 +85,7 @@ def test_a_multiplier_changed_between_two_lines_bills_both_at_the_creation_multi
 ) -> None:
     set_multipliers("7d=0.6")
     with db.begin() as s:
-        billing.set_price(s, model="m", input_micros=1_000_000, cached_input_micros=0, output_micros=4_000_000)
+        set_price(s, model="m", input_micros=1_000_000, cached_input_micros=0, output_micros=4_000_000)
         batch_id = _batch(s, "7d", lines=2)
     _record(db, batch_id, 1)
     set_multipliers("7d=1.0")  # changed while the batch runs
@@ -95,7 +95,7 @@ def test_a_multiplier_changed_between_two_lines_bills_both_at_the_creation_multi
         batch = s.get(Batch, batch_id)
         assert batch is not None and batch.price_multiplier == Decimal("0.6")
         cost = cost_so_far(s, batch)
-    assert (cost.cost_micros, cost.rates) == (840, billing.Rates(input=600_000, cached_input=0, output=2_400_000))
+    assert (cost.cost_micros, cost.rates) == (840, Rates(input=600_000, cached_input=0, output=2_400_000))
 
 
 def test_a_windows_own_price_row_is_not_multiplied(
@@ -103,7 +103,7 @@ def test_a_windows_own_price_row_is_not_multiplied(
 ) -> None:
     set_multipliers("7d=0.6")
     with db.begin() as s:
-        billing.set_price(
+        set_price(
             s, model="m", input_micros=1_000_000, cached_input_micros=0, output_micros=4_000_000, completion_window="7d"
         )
         batch_id = _batch(s, "7d", lines=1)
@@ -116,7 +116,7 @@ def test_a_batch_from_before_the_multipliers_bills_at_1(
 ) -> None:
     set_multipliers("7d=0.6")
     with db.begin() as s:
-        billing.set_price(s, model="m", input_micros=1_000_000, cached_input_micros=0, output_micros=4_000_000)
+        set_price(s, model="m", input_micros=1_000_000, cached_input_micros=0, output_micros=4_000_000)
         batch_id = _batch(s, "7d", lines=1)
         s.execute(update(Batch).where(Batch.id == batch_id).values(price_multiplier=None))  # as migration 0012 left it
     _record(db, batch_id, 1)

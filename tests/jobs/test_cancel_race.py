@@ -16,11 +16,11 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from backfill.jobs.batches import cancel_batch
-from backfill.jobs.claims import claim_requests
+from backfill.jobs.execution.claims import claim_requests
+from backfill.jobs.execution.replies import Outcome, Usage
+from backfill.jobs.execution.results import record_outcomes
 from backfill.jobs.models import Batch, BatchStatus, RequestState
-from backfill.jobs.output import finalize_batch, output_key
-from backfill.jobs.replies import Outcome, Usage
-from backfill.jobs.results import record_outcomes
+from backfill.jobs.output.finalize import finalize_batch, output_key
 from backfill.storage.objects import LocalObjectStore
 from tests.jobs.test_output import _batch, _files
 

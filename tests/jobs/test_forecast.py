@@ -1,4 +1,4 @@
-"""`jobs.forecast`: a batch's cost so far, the price in force now, the fleet's batch throughput
+"""`jobs.billing.forecast`: a batch's cost so far, the price in force now, the fleet's batch throughput
 and queue, and the completion forecast, on a migrated SQLite file and a scratch Postgres."""
 
 from __future__ import annotations
@@ -8,12 +8,13 @@ from datetime import timedelta
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
-from backfill.jobs import billing, forecast
-from backfill.jobs.billing_models import UsageLedgerEntry
-from backfill.jobs.claims import claim_requests
+from backfill.jobs.billing.forecast import batch_throughput, completion_forecast, cost_so_far, price_now
+from backfill.jobs.billing.ledger import component_cost, set_price
+from backfill.jobs.billing.models import UsageLedgerEntry
+from backfill.jobs.execution.claims import claim_requests
+from backfill.jobs.execution.replies import Outcome, Usage
+from backfill.jobs.execution.results import record_outcome
 from backfill.jobs.models import Batch, BatchStatus, Team, utcnow
-from backfill.jobs.replies import Outcome, Usage
-from backfill.jobs.results import record_outcome
 from tests.factories import make_batch
 
 
@@ -31,7 +32,7 @@ def _team(s: Session, name: str) -> Team:
 def test_cost_so_far_is_the_ledger_at_the_batch_price(db: sessionmaker[Session]) -> None:
     with db.begin() as s:
         team = _team(s, "t")
-        price = billing.set_price(s, model="m", input_micros=150_000, cached_input_micros=75_000, output_micros=600_000)
+        price = set_price(s, model="m", input_micros=150_000, cached_input_micros=75_000, output_micros=600_000)
         batch_id = make_batch(s, team, lines=3).id
         unpriced_id = make_batch(s, team, lines=1, model="free").id
     with db.begin() as s:
@@ -44,25 +45,23 @@ def test_cost_so_far_is_the_ledger_at_the_batch_price(db: sessionmaker[Session])
     with db() as s:
         batch = s.get(Batch, batch_id)
         assert batch is not None
-        cost = forecast.cost_so_far(s, batch)
+        cost = cost_so_far(s, batch)
         assert cost.price is not None and cost.price.id == price.id
         assert (cost.requests, cost.prompt_tokens, cost.cached_tokens, cost.completion_tokens) == (2, 4177, 4032, 9)
-        expected = 155 + billing.component_cost(100, 150_000, 50) + billing.component_cost(5, 600_000, 50)
+        expected = 155 + component_cost(100, 150_000, 50) + component_cost(5, 600_000, 50)
         assert cost.cost_micros == expected
         unpriced = s.get(Batch, unpriced_id)
         assert unpriced is not None
-        nothing = forecast.cost_so_far(s, unpriced)
+        nothing = cost_so_far(s, unpriced)
         assert (nothing.cost_micros, nothing.requests, nothing.price) == (0, 0, None)
 
 
 def test_price_now_is_what_a_batch_created_now_is_billed_at(db: sessionmaker[Session]) -> None:
     with db.begin() as s:
-        assert forecast.price_now(s, model="m", completion_window="24h") is None  # no price ever set
-        general = billing.set_price(s, model="m", input_micros=1, cached_input_micros=1, output_micros=1)
-        hour = billing.set_price(
-            s, model="m", input_micros=2, cached_input_micros=2, output_micros=2, completion_window="1h"
-        )
-        billing.set_price(
+        assert price_now(s, model="m", completion_window="24h") is None  # no price ever set
+        general = set_price(s, model="m", input_micros=1, cached_input_micros=1, output_micros=1)
+        hour = set_price(s, model="m", input_micros=2, cached_input_micros=2, output_micros=2, completion_window="1h")
+        set_price(
             s,
             model="m",
             input_micros=3,
@@ -70,17 +69,17 @@ def test_price_now_is_what_a_batch_created_now_is_billed_at(db: sessionmaker[Ses
             output_micros=3,
             effective_from=utcnow() + timedelta(days=1),
         )
-        billing.set_price(s, model="other", input_micros=4, cached_input_micros=4, output_micros=4)
+        set_price(s, model="other", input_micros=4, cached_input_micros=4, output_micros=4)
     with db.begin() as s:
-        now_24h = forecast.price_now(s, model="m", completion_window="24h")
-        now_1h = forecast.price_now(s, model="m", completion_window="1h")
+        now_24h = price_now(s, model="m", completion_window="24h")
+        now_1h = price_now(s, model="m", completion_window="1h")
         assert now_24h is not None and now_24h.id == general.id  # the future price waits its turn
         assert now_1h is not None and now_1h.id == hour.id  # a window's own price wins
-        assert forecast.price_now(s, model="unpriced", completion_window="24h") is None
+        assert price_now(s, model="unpriced", completion_window="24h") is None
         # The same row the ledger will bill a batch created now at.
         team = _team(s, "p")
         batch = make_batch(s, team, lines=1)
-        assert forecast.cost_so_far(s, batch).price == now_24h
+        assert cost_so_far(s, batch).price == now_24h
 
 
 def test_throughput_is_the_recent_ledger_and_the_queue_of_running_batches(db: sessionmaker[Session]) -> None:
@@ -110,33 +109,33 @@ def test_throughput_is_the_recent_ledger_and_the_queue_of_running_batches(db: se
                 .values(recorded_at=now - timedelta(seconds=ago))
             )
     with db() as s:
-        every = forecast.batch_throughput(s, window_s=60, now=now)
+        every = batch_throughput(s, window_s=60, now=now)
         assert (every.requests, every.tokens, every.busy_s) == (2, 50, 20)
         assert every.tokens_per_second == 50 / 60 and every.requests_per_second == 2 / 60
         assert every.busy_tokens_per_second == 50 / 20 and every.busy_requests_per_second == 2 / 20
         # Lines left in in_progress batches, from their counters: 3 of `running` (one in flight),
         # 1 of `other_model`, each with its share of its batch's estimate.
         assert (every.queued_requests, every.queued_tokens, every.running_batches) == (4, 400, 2)
-        one = forecast.batch_throughput(s, window_s=60, model="m", now=now)
+        one = batch_throughput(s, window_s=60, model="m", now=now)
         assert (one.requests, one.tokens, one.busy_s, one.busy_tokens_per_second) == (1, 40, 10, 4.0)
         assert (one.queued_requests, one.queued_tokens, one.running_batches) == (3, 300, 1)
         # A window that ends before anything was recorded sees nothing done, busy nowhere.
-        empty = forecast.batch_throughput(s, window_s=60, now=now - timedelta(minutes=5))
+        empty = batch_throughput(s, window_s=60, now=now - timedelta(minutes=5))
         assert (empty.requests, empty.tokens, empty.busy_s) == (0, 0, 0)
         assert empty.tokens_per_second == empty.busy_tokens_per_second == 0.0
         # A 15 s window holds the newest entry only, busy for at most the window.
-        short = forecast.batch_throughput(s, window_s=15, now=now)
+        short = batch_throughput(s, window_s=15, now=now)
         assert (short.requests, short.tokens, short.busy_s) == (1, 40, 10)
         # Three hours back, the old entry counts too.
-        wide = forecast.batch_throughput(s, window_s=3 * 3600, now=now)
+        wide = batch_throughput(s, window_s=3 * 3600, now=now)
         assert (wide.requests, wide.tokens, wide.busy_s) == (3, 1050, 30)
 
 
 def test_completion_forecast() -> None:
     now = utcnow()
-    f = forecast.completion_forecast(now=now, tokens=500, queued_tokens=1500, tokens_per_second=100.0, window_s=300)
+    f = completion_forecast(now=now, tokens=500, queued_tokens=1500, tokens_per_second=100.0, window_s=300)
     assert f.at == now + timedelta(seconds=20) and f.seconds == 20 and f.reason is None
-    idle = forecast.completion_forecast(now=now, tokens=500, queued_tokens=0, tokens_per_second=0.0, window_s=300)
+    idle = completion_forecast(now=now, tokens=500, queued_tokens=0, tokens_per_second=0.0, window_s=300)
     assert idle.at is None and idle.reason is not None and "last 300s" in idle.reason
-    far = forecast.completion_forecast(now=now, tokens=10**15, queued_tokens=0, tokens_per_second=1e-3, window_s=60)
+    far = completion_forecast(now=now, tokens=10**15, queued_tokens=0, tokens_per_second=1e-3, window_s=60)
     assert far.at is None and far.reason is not None and "year" in far.reason

@@ -13,9 +13,11 @@ import pytest
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from backfill.jobs import output, sweeps, validation
+from backfill.jobs import sweeps
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, RequestState, utcnow
-from backfill.jobs.validation import apply_validation, write_index_parts
+from backfill.jobs.output import finalize as output
+from backfill.jobs.validation import outcome as validation
+from backfill.jobs.validation.outcome import apply_validation, write_index_parts
 from backfill.storage.objects import LocalObjectStore
 from tests.jobs.test_validation_index import _new_batch, _stored, _validated
 

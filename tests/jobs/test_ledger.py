@@ -10,14 +10,16 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from backfill.jobs import billing, quotas
-from backfill.jobs.billing_models import Price, UsageLedgerEntry
-from backfill.jobs.claims import claim_requests, release_for_retry
+from backfill.jobs.billing.ledger import component_cost, current_price_version, price_in_force, record_usage, set_price
+from backfill.jobs.billing.models import Price, UsageLedgerEntry
+from backfill.jobs.billing.quotas import quota_errors, set_quota
+from backfill.jobs.billing.usage import align, usage_totals
+from backfill.jobs.execution.claims import claim_requests, release_for_retry
+from backfill.jobs.execution.replies import Outcome, Usage
+from backfill.jobs.execution.results import record_outcome
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
-from backfill.jobs.replies import Outcome, Usage
-from backfill.jobs.results import record_outcome
-from backfill.jobs.usage import align, usage_totals
-from backfill.jobs.validation import ValidationResult, apply_validation
+from backfill.jobs.validation.outcome import apply_validation
+from backfill.jobs.validation.scan import ValidationResult
 from tests.factories import make_batch
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -25,7 +27,7 @@ PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.
 
 def _price(session: Session, model: str, **extra: Any) -> Price:
     """$0.15 input, $0.075 cached input, $0.60 output per million tokens."""
-    return billing.set_price(
+    return set_price(
         session, model=model, input_micros=150_000, cached_input_micros=75_000, output_micros=600_000, **extra
     )
 
@@ -42,7 +44,7 @@ def test_each_request_is_billed_once_at_the_price_of_its_batch(db: sessionmaker[
         v1 = _price(s, "m")
         batch_id = make_batch(s, team, lines=3).id
         # A new price after the batch was created does not touch it.
-        billing.set_price(s, model="m", input_micros=9_000_000, cached_input_micros=9_000_000, output_micros=9_000_000)
+        set_price(s, model="m", input_micros=9_000_000, cached_input_micros=9_000_000, output_micros=9_000_000)
     with db.begin() as s:
         assert [c.line for c in claim_requests(s, batch_id=batch_id, limit=3, claim_token="a")] == [1, 2, 3]
         # Line 2: a transient failure, put back for a retry (the forced retry).
@@ -63,7 +65,7 @@ def test_each_request_is_billed_once_at_the_price_of_its_batch(db: sessionmaker[
         # Even the ledger write itself run twice cannot write a second row: the unique constraint holds.
         batch = s.get(Batch, batch_id)
         assert batch is not None
-        billing.record_usage(s, batch, [(1, _ok(4077, 4032, 4))])
+        record_usage(s, batch, [(1, _ok(4077, 4032, 4))])
     with db() as s:
         rows = {r.line: r for r in s.execute(select(UsageLedgerEntry)).scalars()}
         batch = s.get(Batch, batch_id)
@@ -72,7 +74,7 @@ def test_each_request_is_billed_once_at_the_price_of_its_batch(db: sessionmaker[
     assert {r.price_version for r in rows.values()} == {v1.id}
     assert (rows[1].input_cost_micros, rows[1].cached_input_cost_micros, rows[1].output_cost_micros) == (3, 151, 1)
     assert rows[1].cost_micros == 155
-    assert rows[2].cost_micros == billing.component_cost(100, 150_000, 50) + billing.component_cost(5, 600_000, 50)
+    assert rows[2].cost_micros == component_cost(100, 150_000, 50) + component_cost(5, 600_000, 50)
     # The batch's live usage is the sum of its ledger entries.
     assert batch.input_tokens == sum(r.prompt_tokens for r in rows.values()) == 4177
     assert batch.cached_tokens == sum(r.cached_tokens for r in rows.values()) == 4032
@@ -86,11 +88,11 @@ def test_price_in_force(db: sessionmaker[Session]) -> None:
         week = _price(s, "m", completion_window="7d", discount_percent=60)
         later = _price(s, "m", effective_from=utcnow() + timedelta(days=1))
         _price(s, "other")
-        version = billing.current_price_version(s)
+        version = current_price_version(s)
         now = utcnow()
 
         def pick(window: str, at: object = now, v: int | None = version) -> int | None:
-            price = billing.price_in_force(s, model="m", completion_window=window, at=at, version=v)  # type: ignore[arg-type]
+            price = price_in_force(s, model="m", completion_window=window, at=at, version=v)  # type: ignore[arg-type]
             return price.id if price else None
 
         assert pick("24h") == general.id
@@ -108,7 +110,7 @@ def test_quota_fails_validation_with_the_numbers(db: sessionmaker[Session]) -> N
         running = make_batch(s, team, lines=1)
         running.token_estimate = 600
         make_batch(s, team, lines=1, model="other").token_estimate = 10_000  # another model: not counted
-        quotas.set_quota(s, team_id=team.id, model="m", max_enqueued_tokens=1000, max_concurrent_batches=None)
+        set_quota(s, team_id=team.id, model="m", max_enqueued_tokens=1000, max_concurrent_batches=None)
         new = make_batch(s, team, lines=0, status=BatchStatus.validating)
         new_id, team_id = new.id, team.id
     result = ValidationResult(
@@ -127,11 +129,11 @@ def test_quota_fails_validation_with_the_numbers(db: sessionmaker[Session]) -> N
             assert number in error["message"]
         assert s.execute(select(func.count()).where(BatchRequest.batch_id == new_id)).scalar_one() == 0
     with db.begin() as s:
-        quotas.set_quota(s, team_id=team_id, model="m", max_enqueued_tokens=None, max_concurrent_batches=1)
-        errors = quotas.quota_errors(s, team_id=team_id, model="m", batch_id="new", token_estimate=1)
+        set_quota(s, team_id=team_id, model="m", max_enqueued_tokens=None, max_concurrent_batches=1)
+        errors = quota_errors(s, team_id=team_id, model="m", batch_id="new", token_estimate=1)
         assert [e["code"] for e in errors] == ["token_limit_exceeded"] and "limit is 1" in errors[0]["message"]
-        quotas.set_quota(s, team_id=team_id, model="m", max_enqueued_tokens=1100, max_concurrent_batches=2)
-        assert quotas.quota_errors(s, team_id=team_id, model="m", batch_id="new", token_estimate=500) == []
+        set_quota(s, team_id=team_id, model="m", max_enqueued_tokens=1100, max_concurrent_batches=2)
+        assert quota_errors(s, team_id=team_id, model="m", batch_id="new", token_estimate=500) == []
 
 
 def test_usage_buckets(db: sessionmaker[Session]) -> None:

@@ -8,15 +8,15 @@ from datetime import timedelta
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from backfill.jobs import billing
 from backfill.jobs.batches import create_batch
-from backfill.jobs.billing_models import UsageLedgerEntry
-from backfill.jobs.claims import claim_requests
+from backfill.jobs.billing.ledger import component_cost, set_price
+from backfill.jobs.billing.models import UsageLedgerEntry
+from backfill.jobs.billing.usage import usage_totals
+from backfill.jobs.execution.claims import claim_requests
+from backfill.jobs.execution.replies import Outcome, Usage
+from backfill.jobs.execution.results import record_outcomes
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, File, Team, utcnow
-from backfill.jobs.replies import Outcome, Usage
-from backfill.jobs.results import record_outcomes
 from backfill.jobs.teams import create_key
-from backfill.jobs.usage import usage_totals
 
 WINDOWS = {"24h": 24 * 3600}
 
@@ -58,7 +58,7 @@ def test_the_ledger_records_the_creating_key_and_sums_by_it(db: sessionmaker[Ses
         team = Team(name="keys")
         s.add(team)
         s.flush()
-        billing.set_price(s, model="m", input_micros=2_000_000, cached_input_micros=0, output_micros=4_000_000)
+        set_price(s, model="m", input_micros=2_000_000, cached_input_micros=0, output_micros=4_000_000)
         first, _ = create_key(s, team_id=team.id, name="pipeline")
         second, _ = create_key(s, team_id=team.id, name="evals")
         a = _batch_by(s, team, first.id, lines=3)
@@ -80,7 +80,7 @@ def test_the_ledger_records_the_creating_key_and_sums_by_it(db: sessionmaker[Ses
         assert by_key == {first.id: (3, 300, 30), second.id: (2, 2000, 200)}
         # Costs follow the key too: 300 input tokens at $2/M, 30 output at $4/M, half off.
         cost = {r.api_key_id: r.cost_micros for r in rows}
-        assert cost[first.id] == billing.component_cost(300, 2_000_000, 50) + billing.component_cost(30, 4_000_000, 50)
+        assert cost[first.id] == component_cost(300, 2_000_000, 50) + component_cost(30, 4_000_000, 50)
 
         only = usage_totals(s, start=start, end=end, width_s=7200, api_key_ids=[second.id])
         assert [(r.requests, r.api_key_id) for r in only] == [(2, None)]  # filtered, not grouped

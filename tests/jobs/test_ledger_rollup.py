@@ -12,16 +12,16 @@ from pathlib import Path
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from backfill.jobs import billing
-from backfill.jobs.billing_models import UsageLedgerEntry
-from backfill.jobs.claims import claim_requests
-from backfill.jobs.forecast import CostSoFar, cost_so_far
-from backfill.jobs.ledger_rollup import roll_up_ledger
+from backfill.jobs.billing.forecast import CostSoFar, cost_so_far
+from backfill.jobs.billing.ledger import set_price
+from backfill.jobs.billing.models import UsageLedgerEntry
+from backfill.jobs.billing.rollup import roll_up_ledger
+from backfill.jobs.billing.usage import align, usage_totals
+from backfill.jobs.execution.claims import claim_requests
+from backfill.jobs.execution.replies import Outcome, Usage
+from backfill.jobs.execution.results import record_outcome
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
-from backfill.jobs.replies import Outcome, Usage
-from backfill.jobs.results import record_outcome
 from backfill.jobs.retention import RetentionPolicy, run_retention
-from backfill.jobs.usage import align, usage_totals
 from backfill.storage.objects import LocalObjectStore
 from tests.factories import make_batch
 
@@ -43,7 +43,7 @@ def _finished_batch(db: sessionmaker[Session]) -> tuple[str, str]:
         team = Team(name="t")
         s.add(team)
         s.flush()
-        billing.set_price(s, model="m", input_micros=150_000, cached_input_micros=75_000, output_micros=600_000)
+        set_price(s, model="m", input_micros=150_000, cached_input_micros=75_000, output_micros=600_000)
         batch = make_batch(s, team, lines=LINES)
         batch_id, team_id = batch.id, team.id
     with db.begin() as s:

@@ -14,7 +14,7 @@ from sqlalchemy import Engine, inspect
 from sqlalchemy.orm import Session
 
 from backfill.devfleet.services import PG_ADMIN_URL, create_database, drop_database
-from backfill.jobs.billing_models import UsageLedgerEntry
+from backfill.jobs.billing.models import UsageLedgerEntry
 from backfill.jobs.models import Team
 from backfill.migrate import alembic_config
 from backfill.storage.db import make_engine

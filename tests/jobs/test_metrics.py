@@ -8,12 +8,12 @@ import secrets
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from backfill.jobs import billing
-from backfill.jobs.claims import claim_requests
+from backfill.jobs.billing.ledger import component_cost, set_price
+from backfill.jobs.execution.claims import claim_requests
+from backfill.jobs.execution.replies import Outcome, Usage
+from backfill.jobs.execution.results import record_outcomes
 from backfill.jobs.metrics import batches_by_status, lines_by_state, usage_metrics
 from backfill.jobs.models import BatchStatus, Team
-from backfill.jobs.replies import Outcome, Usage
-from backfill.jobs.results import record_outcomes
 from tests.factories import make_batch
 
 
@@ -32,7 +32,7 @@ def test_tokens_and_cost_are_counted_once_the_ledger_commits(db: sessionmaker[Se
         team = Team(name=name)
         s.add(team)
         s.flush()
-        billing.set_price(s, model="m", input_micros=1_000_000, cached_input_micros=500_000, output_micros=2_000_000)
+        set_price(s, model="m", input_micros=1_000_000, cached_input_micros=500_000, output_micros=2_000_000)
         batch_id = make_batch(s, team, lines=2).id
         claim_requests(s, batch_id=batch_id, limit=2, claim_token="c")
 
@@ -46,9 +46,7 @@ def test_tokens_and_cost_are_counted_once_the_ledger_commits(db: sessionmaker[Se
     with db.begin() as s:  # redelivered: nothing recorded, nothing counted
         assert record_outcomes(s, claim_token="c", results=[(batch_id, 1, ok)]) == 0
     per_line = (
-        billing.component_cost(800, 1_000_000, 50)
-        + billing.component_cost(200, 500_000, 50)
-        + billing.component_cost(500, 2_000_000, 50)
+        component_cost(800, 1_000_000, 50) + component_cost(200, 500_000, 50) + component_cost(500, 2_000_000, 50)
     )
     assert _counted(name) == (2000, 400, 1000, pytest.approx(2 * per_line / 1_000_000))
 

@@ -17,11 +17,13 @@ import pytest
 from sqlalchemy import event, func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from backfill.jobs import output, output_format, output_pages
 from backfill.jobs.batches import cancel_batch
 from backfill.jobs.errors import Conflict
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, File, RequestState, Team, utcnow
-from backfill.jobs.output import derived_file_id, finalize_batch, output_key
+from backfill.jobs.output import finalize as output
+from backfill.jobs.output import format as output_format
+from backfill.jobs.output import pages as output_pages
+from backfill.jobs.output.finalize import derived_file_id, finalize_batch, output_key
 from backfill.storage.objects import LocalObjectStore
 
 # line -> state; answered lines (succeeded, failed) carry the fleet's reply.
@@ -465,7 +467,7 @@ def test_expiry_writes_only_the_running_lines_and_finalization_settles_the_pendi
     """Expiring a batch is not one write per line: its running lines become expired (so their
     late answers are dropped), its pending lines stay pending, and finalization writes every
     one of them as batch_expired; nothing claims a line of the finalizing batch meanwhile."""
-    from backfill.jobs.claims import claim_requests
+    from backfill.jobs.execution.claims import claim_requests
     from backfill.jobs.sweeps import expire_overdue
 
     store = LocalObjectStore(tmp_path / "objects")
@@ -515,7 +517,7 @@ def test_a_claim_in_flight_when_the_batch_expires_is_waited_for_and_its_lines_ex
     sees its lines running and expires them; a claim after the expiry takes nothing. Without
     the wait the claim's lines would stay running in a finalizing batch, run after the
     window closed, and hold its finalization back."""
-    from backfill.jobs.claims import claim_requests
+    from backfill.jobs.execution.claims import claim_requests
 
     if db.kw["bind"].dialect.name != "postgresql":
         pytest.skip("SQLite has one writer at a time: a claim and an expiry cannot overlap there")

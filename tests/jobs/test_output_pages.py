@@ -11,10 +11,10 @@ import orjson
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from backfill.jobs import output_pages
 from backfill.jobs.models import BatchRequest, BatchStatus, RequestState
-from backfill.jobs.output import finalize_batch, output_key
-from backfill.jobs.output_format import ERROR_STATES, OUTPUT_STATES, error_bodies, format_lines
+from backfill.jobs.output.finalize import finalize_batch, output_key
+from backfill.jobs.output.format import ERROR_STATES, OUTPUT_STATES, error_bodies, format_lines
+from backfill.jobs.output.pages import pages
 from backfill.storage.objects import LocalObjectStore
 from tests.jobs.test_output import _batch, _files
 
@@ -54,9 +54,7 @@ def test_pages_are_cut_by_bytes_and_a_line_over_the_budget_is_a_page_of_its_own(
 ) -> None:
     batch_id, team_id = _large_batch(db)
     with db() as s:
-        read = list(
-            output_pages.pages(db.begin, batch_id, (OUTPUT_STATES, ERROR_STATES), pending_as=RequestState.expired)
-        )
+        read = list(pages(db.begin, batch_id, (OUTPUT_STATES, ERROR_STATES), pending_as=RequestState.expired))
         rows = s.execute(
             select(
                 BatchRequest.line,

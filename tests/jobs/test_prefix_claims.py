@@ -10,13 +10,14 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from backfill.jobs.claims import claim_requests
+from backfill.jobs.execution.claims import claim_requests
+from backfill.jobs.execution.prefixes import TextBlocks
+from backfill.jobs.execution.replies import Outcome, Usage
+from backfill.jobs.execution.results import record_outcomes
 from backfill.jobs.models import Batch, BatchStatus, Team, utcnow
-from backfill.jobs.prefixes import TextBlocks
-from backfill.jobs.replies import Outcome, Usage
-from backfill.jobs.results import record_outcomes
-from backfill.jobs.validation import Limits, apply_validation, validate_lines
-from backfill.jobs.validation_lines import prompt_text
+from backfill.jobs.validation.lines import prompt_text
+from backfill.jobs.validation.outcome import apply_validation
+from backfill.jobs.validation.scan import Limits, validate_lines
 
 CHAT = "/v1/chat/completions"
 LIMITS = Limits(max_requests=1000, max_line_bytes=1 << 20, max_errors=10)

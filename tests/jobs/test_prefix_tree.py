@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from backfill.jobs.prefixes import (
+from backfill.jobs.execution.prefixes import (
     BLOCK_TOKENS,
     FINGERPRINT_BYTES,
     TextBlocks,
@@ -16,8 +16,8 @@ from backfill.jobs.prefixes import (
     plan_prefix_order,
     tokenizer_blocks,
 )
-from backfill.jobs.validation import Limits, validate_lines
-from backfill.jobs.validation_lines import prompt_text
+from backfill.jobs.validation.lines import prompt_text
+from backfill.jobs.validation.scan import Limits, validate_lines
 
 CHAT = "/v1/chat/completions"
 LIMITS = Limits(max_requests=1000, max_line_bytes=1 << 20, max_errors=10)

@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 
-from backfill.jobs.billing import (
+from backfill.jobs.billing.ledger import (
     Rates,
     component_cost,
     format_micros,
@@ -18,7 +18,7 @@ from backfill.jobs.billing import (
     window_multiplier,
     window_rates,
 )
-from backfill.jobs.billing_models import Price
+from backfill.jobs.billing.models import Price
 from backfill.jobs.errors import InvalidRequest
 
 

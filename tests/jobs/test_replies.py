@@ -5,8 +5,8 @@ import json
 import orjson
 import pytest
 
-from backfill.jobs.replies import normalise_body, outcome_of, usage_from_body
-from backfill.scheduler.routing_hints import add_routing_hints
+from backfill.jobs.execution.replies import normalise_body, outcome_of, usage_from_body
+from backfill.scheduler.fleet.client import add_routing_hints
 
 
 def test_usage_from_chat_and_responses_bodies() -> None:

@@ -16,7 +16,7 @@ from sqlalchemy import select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from backfill.jobs import sweeps
-from backfill.jobs.claims import _served_since
+from backfill.jobs.execution.claims import _served_since
 from backfill.jobs.models import RUNNING_LINES, BatchRequest, RequestState, Team, utcnow
 from tests.factories import make_batch
 

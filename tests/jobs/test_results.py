@@ -10,12 +10,12 @@ from sqlalchemy import func, select, text
 from sqlalchemy.exc import StatementError
 from sqlalchemy.orm import Session, sessionmaker
 
-from backfill.jobs import billing
-from backfill.jobs.billing_models import UsageLedgerEntry
-from backfill.jobs.claims import claim_requests
+from backfill.jobs.billing.ledger import component_cost, set_price
+from backfill.jobs.billing.models import UsageLedgerEntry
+from backfill.jobs.execution.claims import claim_requests
+from backfill.jobs.execution.replies import Outcome, Usage
+from backfill.jobs.execution.results import record_outcomes
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, RequestState, Team, utcnow
-from backfill.jobs.replies import Outcome, Usage
-from backfill.jobs.results import record_outcomes
 from backfill.jobs.sweeps import batches_to_finalize, expire_overdue
 from tests.factories import make_batch
 
@@ -25,7 +25,7 @@ def _batch(session: Session, *, lines: int, status: BatchStatus = BatchStatus.in
     team = Team(name=f"t-{utcnow().timestamp()}")
     session.add(team)
     session.flush()
-    billing.set_price(session, model="m", input_micros=1_000_000, cached_input_micros=0, output_micros=2_000_000)
+    set_price(session, model="m", input_micros=1_000_000, cached_input_micros=0, output_micros=2_000_000)
     return make_batch(session, team, lines=lines, status=status).id
 
 
@@ -61,7 +61,7 @@ def test_a_result_and_its_ledger_entry_are_one_write(db: sessionmaker[Session]) 
         batch = s.get(Batch, batch_id)
         assert batch is not None
     assert (entry.line, entry.prompt_tokens, entry.completion_tokens) == (1, 1000, 500)
-    assert entry.cost_micros == billing.component_cost(1000, 1_000_000, 50) + billing.component_cost(500, 2_000_000, 50)
+    assert entry.cost_micros == component_cost(1000, 1_000_000, 50) + component_cost(500, 2_000_000, 50)
     assert (batch.completed, batch.failed, batch.input_tokens, batch.output_tokens) == (1, 1, 1000, 500)
 
 

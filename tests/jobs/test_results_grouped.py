@@ -7,11 +7,11 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from backfill.jobs import billing
-from backfill.jobs.claims import claim_requests
+from backfill.jobs.billing.ledger import set_price
+from backfill.jobs.execution.claims import claim_requests
+from backfill.jobs.execution.replies import Outcome, Usage
+from backfill.jobs.execution.results import record_outcomes
 from backfill.jobs.models import Batch, BatchRequest, RequestState, Team, utcnow
-from backfill.jobs.replies import Outcome, Usage
-from backfill.jobs.results import record_outcomes
 from tests.factories import make_batch
 
 
@@ -23,7 +23,7 @@ def test_a_group_records_each_line_its_claim_holds_once(db: sessionmaker[Session
         team = Team(name=f"t-{utcnow().timestamp()}")
         s.add(team)
         s.flush()
-        billing.set_price(s, model="m", input_micros=1_000_000, cached_input_micros=0, output_micros=2_000_000)
+        set_price(s, model="m", input_micros=1_000_000, cached_input_micros=0, output_micros=2_000_000)
         batch_id = make_batch(s, team, lines=4).id
         assert len(claim_requests(s, batch_id=batch_id, limit=3, claim_token="mine")) == 3
         assert len(claim_requests(s, batch_id=batch_id, limit=1, claim_token="theirs")) == 1

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import json
 
-from backfill.jobs.validation import Limits, iter_lines, iter_lines_bounded, validate_lines
+from backfill.jobs.validation.input_lines import iter_lines, iter_lines_bounded
+from backfill.jobs.validation.scan import Limits, validate_lines
 
 LIMITS = Limits(max_requests=100, max_line_bytes=10_000, max_errors=5)
 

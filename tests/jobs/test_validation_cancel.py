@@ -10,9 +10,12 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from backfill.jobs import batches, output, sweeps, validation
+from backfill.jobs import batches, sweeps
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus
-from backfill.jobs.validation import Limits, apply_validation, validate_lines, write_index_parts
+from backfill.jobs.output import finalize as output
+from backfill.jobs.validation import outcome as validation
+from backfill.jobs.validation.outcome import apply_validation, write_index_parts
+from backfill.jobs.validation.scan import Limits, validate_lines
 from backfill.storage.objects import LocalObjectStore
 from tests.jobs.test_validation_index import CHAT, _new_batch, _validated
 

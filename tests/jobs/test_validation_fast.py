@@ -16,12 +16,11 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-import backfill.jobs.validation_scan as validation_scan
-from backfill.jobs.input_lines import iter_lines_bounded
-from backfill.jobs.prefixes import FINGERPRINT_BYTES, MAX_BLOCKS, TextBlocks
-from backfill.jobs.request_index import INDEX_COLUMNS, RequestIndex
-from backfill.jobs.validation_fast import line_checker
-from backfill.jobs.validation_lines import (
+import backfill.jobs.validation.scan as validation_scan
+from backfill.jobs.execution.prefixes import FINGERPRINT_BYTES, MAX_BLOCKS, TextBlocks
+from backfill.jobs.validation.fast import line_checker
+from backfill.jobs.validation.input_lines import iter_lines_bounded
+from backfill.jobs.validation.lines import (
     INT32_MAX,
     MAX_BODY_DEPTH,
     NO_OUTPUT_ENDPOINTS,
@@ -29,7 +28,8 @@ from backfill.jobs.validation_lines import (
     check_line,
     max_output_tokens,
 )
-from backfill.jobs.validation_scan import Limits, LineScan, scan_lines
+from backfill.jobs.validation.request_index import INDEX_COLUMNS, RequestIndex
+from backfill.jobs.validation.scan import Limits, LineScan, scan_lines
 
 CHAT = "/v1/chat/completions"
 ENDPOINTS = [CHAT, "/v1/embeddings", "/v1/completions", "/v1/responses", "/v1/moderations", "/v1/other"]

@@ -18,7 +18,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
-from backfill.jobs.validation import Limits, apply_validation, validate_lines
+from backfill.jobs.validation.outcome import apply_validation
+from backfill.jobs.validation.scan import Limits, validate_lines
 from backfill.storage.db import make_engine
 
 CHAT = "/v1/chat/completions"

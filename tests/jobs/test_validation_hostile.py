@@ -19,18 +19,16 @@ from sqlalchemy import create_engine, select, text
 from sqlalchemy.exc import DataError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from backfill.jobs.catalog import FleetUnavailable
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
-from backfill.jobs.validation import (
-    Limits,
-    ValidationResult,
+from backfill.jobs.validation.outcome import (
     apply_validation,
     fail_batch_validation,
     is_transient_validation_error,
-    validate_lines,
     validation_failure_message,
 )
+from backfill.jobs.validation.scan import Limits, ValidationResult, validate_lines
 from backfill.storage.db import make_engine
+from backfill.storage.fleet_models import FleetUnavailable
 
 CHAT = "/v1/chat/completions"
 LIMITS = Limits(max_requests=1000, max_line_bytes=100_000, max_errors=100)

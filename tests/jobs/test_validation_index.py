@@ -15,14 +15,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, RequestState, Team, utcnow
-from backfill.jobs.validation import (
-    INDEX_COLUMNS,
-    Limits,
-    RequestIndex,
-    ValidationResult,
-    apply_validation,
-    validate_lines,
-)
+from backfill.jobs.validation.outcome import apply_validation
+from backfill.jobs.validation.request_index import INDEX_COLUMNS, RequestIndex
+from backfill.jobs.validation.scan import Limits, ValidationResult, validate_lines
 
 CHAT = "/v1/chat/completions"
 SHARED = "You are a careful assistant who reads the whole attached document before answering. " * 8

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from backfill.jobs import validation_parallel as vp
-from backfill.jobs.validation import Limits, ValidationResult, finish_validation, validate_lines
+from backfill.jobs.validation.scan import Limits, ValidationResult, finish_validation, validate_lines
+from backfill.scheduler import validation_pool as vp
 from backfill.storage.objects import LocalObjectStore, ObjectStore, S3ObjectStore
 
 CHAT = "/v1/chat/completions"

@@ -1,6 +1,6 @@
 """Per-window prices on SQLite and Postgres: the table the routes and the CLI show
-(`jobs.windows.window_prices`) and what the ledger bills a batch in a window
-(`jobs.billing.record_usage`): the window's own price row, else the general one times the
+(`jobs.billing.windows.window_prices`) and what the ledger bills a batch in a window
+(`jobs.billing.ledger.record_usage`): the window's own price row, else the general one times the
 window's multiplier from BACKFILL_WINDOW_PRICE_MULTIPLIERS, as stored on the batch when it was
 created (tests/jobs/test_batch_price_multiplier.py: a setting changed later does not reach it)."""
 
@@ -13,14 +13,14 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from backfill.jobs import billing
-from backfill.jobs.billing_models import Price, UsageLedgerEntry
-from backfill.jobs.claims import claim_requests
+from backfill.jobs.billing.ledger import quoted_multiplier, set_price
+from backfill.jobs.billing.models import Price, UsageLedgerEntry
+from backfill.jobs.billing.windows import check_window, window_prices
 from backfill.jobs.errors import InvalidRequest
+from backfill.jobs.execution.claims import claim_requests
+from backfill.jobs.execution.replies import Outcome, Usage
+from backfill.jobs.execution.results import record_outcome
 from backfill.jobs.models import Team
-from backfill.jobs.replies import Outcome, Usage
-from backfill.jobs.results import record_outcome
-from backfill.jobs.windows import check_window, window_prices
 from backfill.storage.settings import get_settings
 from tests.factories import make_batch
 
@@ -39,16 +39,14 @@ def multipliers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def _general(s: Session, model: str = "m") -> Price:
     """$1 input, $0.50 cached input, $4 output per million tokens, 50% batch discount."""
-    return billing.set_price(
-        s, model=model, input_micros=1_000_000, cached_input_micros=500_000, output_micros=4_000_000
-    )
+    return set_price(s, model=model, input_micros=1_000_000, cached_input_micros=500_000, output_micros=4_000_000)
 
 
 def test_the_table_per_window(db: sessionmaker[Session]) -> None:
     with db.begin() as s:
         assert window_prices(s, model="m", windows=WINDOWS, multipliers=MULTIPLIERS) == []
         general = _general(s)
-        day = billing.set_price(
+        day = set_price(
             s,
             model="m",
             input_micros=800_000,
@@ -78,14 +76,12 @@ def test_a_batch_is_billed_at_its_windows_price(db: sessionmaker[Session], multi
         s.add(team)
         s.flush()
         general = _general(s)
-        billing.set_price(
-            s, model="m", input_micros=3_000_000, cached_input_micros=0, output_micros=0, completion_window="4h"
-        )
+        set_price(s, model="m", input_micros=3_000_000, cached_input_micros=0, output_micros=0, completion_window="4h")
         batches = {}
         for window in ("1h", "4h", "24h", "7d"):
             batch = make_batch(s, team, lines=1)
             batch.completion_window = window
-            batch.price_multiplier = billing.quoted_multiplier(window, get_settings().price_multipliers)
+            batch.price_multiplier = quoted_multiplier(window, get_settings().price_multipliers)
             batches[window] = batch.id
     with db.begin() as s:
         for window, batch_id in batches.items():

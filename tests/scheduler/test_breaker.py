@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis.asyncio
 
-from backfill.scheduler.breaker import Breaker, BreakerPolicy, BreakerState, LocalBreaker, Permit, SharedBreaker
+from backfill.scheduler.fleet.breaker import Breaker, BreakerPolicy, BreakerState, LocalBreaker, Permit, SharedBreaker
 
 # Short enough to run in a second, long enough that Redis round trips do not blur the steps.
 POLICY = BreakerPolicy(window_s=2.0, buckets=4, min_failures=3, failure_ratio=0.5, cooldown_s=0.4, probe_ttl_s=0.6)

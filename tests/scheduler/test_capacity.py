@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from backfill.scheduler.capacity_law import ControlConfig, Controller, ObsDelta, Slo
-from backfill.scheduler.shedding import shed_count
-from backfill.scheduler.telemetry import (
+from backfill.scheduler.capacity.law import ControlConfig, Controller, ObsDelta, Slo
+from backfill.scheduler.capacity.telemetry import (
     Endpoint,
     FleetSnapshot,
     FrontendStats,
@@ -16,6 +15,7 @@ from backfill.scheduler.telemetry import (
     parse_endpoints,
     parse_prometheus,
 )
+from backfill.scheduler.drain.shedding import shed_count
 
 SLO = Slo(ttft_s=0.2, itl_s=0.020)
 

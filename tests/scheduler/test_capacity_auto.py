@@ -14,11 +14,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from backfill.devfleet.processes import free_port
-from backfill.scheduler.admission import Admission, limit_key
-from backfill.scheduler.capacity import CapacityLoop, ControlConfig, Controller, DecisionLog, ObsDelta, Slo
-from backfill.scheduler.leases import RedisLeaseStore
+from backfill.scheduler.capacity.admission import Admission, limit_key
+from backfill.scheduler.capacity.controller import CapacityLoop, DecisionLog
+from backfill.scheduler.capacity.law import ControlConfig, Controller, ObsDelta, Slo
+from backfill.scheduler.capacity.telemetry import KvModel
 from backfill.scheduler.runtime import control_config, make_capacity_loop
-from backfill.scheduler.telemetry import KvModel
+from backfill.storage.leases import RedisLeaseStore
 from backfill.storage.settings import Settings
 from tests.scheduler.test_capacity import snap
 
@@ -90,7 +91,7 @@ def test_the_scheduler_loop_publishes_the_fixed_bound_and_warns_until_the_fleet_
     assert isinstance(loop, CapacityLoop)
     admission = Admission(leases, fixed_limit=24, ttl_s=60, controlled=settings.capacity_controlled, floor=1)
     say = DecisionLog({0: loop.telemetry})
-    with caplog.at_level(logging.WARNING, logger="backfill.scheduler.capacity"):
+    with caplog.at_level(logging.WARNING, logger="backfill.scheduler.capacity.controller"):
         for _ in range(3):  # nothing listens on the metrics port yet
             say(0, loop.once())
     assert admission.limit() == 24 and leases.read(limit_key(0)) == "24"

@@ -9,10 +9,11 @@ import secrets
 import time
 from collections.abc import Callable
 
-from backfill.scheduler.admission import Admission, limit_key, pool_of, shed_key
-from backfill.scheduler.capacity import CapacityLoop, ControlConfig, Controller, FleetCapacityLoop, Slo
-from backfill.scheduler.leases import RedisLeaseStore
-from backfill.scheduler.telemetry import FleetSnapshot
+from backfill.scheduler.capacity.admission import Admission, limit_key, pool_of, shed_key
+from backfill.scheduler.capacity.controller import CapacityLoop, FleetCapacityLoop
+from backfill.scheduler.capacity.law import ControlConfig, Controller, Slo
+from backfill.scheduler.capacity.telemetry import FleetSnapshot
+from backfill.storage.leases import RedisLeaseStore
 from tests.scheduler.test_capacity import snap
 
 SLO = Slo(ttft_s=0.2, itl_s=0.020)

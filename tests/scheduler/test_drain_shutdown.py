@@ -16,13 +16,14 @@ from typing import Any
 
 from backfill.jobs.files import file_key
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, RequestState, Team, utcnow
-from backfill.scheduler.admission import LIMIT_KEY, Admission
-from backfill.scheduler.capacity import CapacityLoop, ControlConfig, Controller, Slo
-from backfill.scheduler.dispatcher import Dispatcher
-from backfill.scheduler.fleet import FleetClient
-from backfill.scheduler.leases import RedisLeaseStore
-from backfill.scheduler.telemetry import FleetTelemetry, parse_endpoints
+from backfill.scheduler.capacity.admission import LIMIT_KEY, Admission
+from backfill.scheduler.capacity.controller import CapacityLoop
+from backfill.scheduler.capacity.law import ControlConfig, Controller, Slo
+from backfill.scheduler.capacity.telemetry import FleetTelemetry, parse_endpoints
+from backfill.scheduler.drain.dispatcher import Dispatcher
+from backfill.scheduler.fleet.client import FleetClient
 from backfill.storage.db import unit_of_work
+from backfill.storage.leases import RedisLeaseStore
 from backfill.storage.objects import get_object_store
 from tests.scheduler.test_reclaim import lines_of
 from tests.scheduler.test_reclaim import scratch_db as scratch_db  # the fixture

@@ -1,11 +1,11 @@
-"""The escalation decision (scheduler.escalation) on batch counters alone."""
+"""The escalation decision (scheduler.drain.escalation) on batch counters alone."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
 from backfill.jobs.sweeps import PendingBatch
-from backfill.scheduler.escalation import EscalationConfig, Escalator, Step, escalated_plan
+from backfill.scheduler.drain.escalation import EscalationConfig, Escalator, Step, escalated_plan
 
 NOW = datetime(2026, 1, 1, 12, tzinfo=UTC)
 WINDOW_S = 3600.0
@@ -104,7 +104,7 @@ def test_a_watch_longer_than_a_drain_reaches_overflow_across_drains() -> None:
     """Each drain makes its own planner (scheduler.tasks.drain); a 1 h window is watched for 180 s
     (5%) before its rate counts, six 30 s drains. The watch must outlive the drain's planner, or a
     late batch never reaches step 2 before the last stretch, when every line left goes at once."""
-    from backfill.scheduler.admission import Admission
+    from backfill.scheduler.capacity.admission import Admission
     from backfill.scheduler.runtime import make_planner
 
     admission = Admission(object(), fixed_limit=1, ttl_s=5.0)  # type: ignore[arg-type]  # no lease is taken

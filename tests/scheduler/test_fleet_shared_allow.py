@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from backfill.scheduler.breaker import BreakerPolicy, BreakerState, Permit, SharedBreaker
-from backfill.scheduler.fleet import FleetClient
+from backfill.scheduler.fleet.breaker import BreakerPolicy, BreakerState, Permit, SharedBreaker
+from backfill.scheduler.fleet.client import FleetClient
 
 
 class _CountingBreaker:

@@ -18,7 +18,7 @@ from backfill.scheduler.leadership import (
     SqlLeaderLease,
     lead_while_leader,
 )
-from backfill.scheduler.leases import LeaseStore, RedisLeaseStore, SqlLeaseStore
+from backfill.storage.leases import LeaseStore, RedisLeaseStore, SqlLeaseStore
 
 REDIS = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379") + "/10"
 TTL_S = 3.0  # seconds, not fractions: a loaded machine's SQLite commit must not outlast it

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from backfill.scheduler.leases import LeaseStore, RedisLeaseStore, SqlLeaseStore
+from backfill.storage.leases import LeaseStore, RedisLeaseStore, SqlLeaseStore
 
 
 @pytest.fixture(params=["redis", "sql"])

@@ -6,7 +6,7 @@ from collections import Counter
 from datetime import UTC, datetime, timedelta
 
 from backfill.jobs.sweeps import PendingBatch
-from backfill.scheduler.policy import FairPlanner, PolicyConfig, plan, threatened
+from backfill.scheduler.drain.policy import FairPlanner, PolicyConfig, plan, threatened
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 

@@ -8,10 +8,10 @@ from typing import Any
 import orjson
 import pytest
 
-from backfill.jobs.n_choices import MAX_EXPANDED_N, merge_choices, split_n
-from backfill.jobs.replies import usage_from_body
-from backfill.scheduler.fleet import FleetClient, FleetReply
-from backfill.scheduler.n_expansion import post_request
+from backfill.jobs.execution.n_choices import MAX_EXPANDED_N, merge_choices, split_n
+from backfill.jobs.execution.replies import usage_from_body
+from backfill.scheduler.fleet.client import FleetClient, FleetReply
+from backfill.scheduler.fleet.n_expansion import post_request
 
 CHAT = "/v1/chat/completions"
 

@@ -15,15 +15,15 @@ import orjson
 import pytest
 
 from backfill.devfleet.services import create_database, drop_database
+from backfill.jobs.execution.results import ATTEMPTS_EXCEEDED
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, RequestState, Team, utcnow
-from backfill.jobs.results import ATTEMPTS_EXCEEDED
-from backfill.scheduler.dispatcher import DRAIN_POOL
-from backfill.scheduler.leases import RedisLeaseStore, SqlLeaseStore
+from backfill.scheduler.drain.dispatcher import DRAIN_POOL
 from backfill.scheduler.ticker import Reconciler, Ticker
 from backfill.storage import db as storage_db
 from backfill.storage import objects, settings
 from backfill.storage.broker import TaskName
 from backfill.storage.db import unit_of_work
+from backfill.storage.leases import RedisLeaseStore, SqlLeaseStore
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 

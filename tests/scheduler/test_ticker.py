@@ -14,12 +14,12 @@ from sqlalchemy.orm import Session
 from backfill.devfleet.services import create_database, drop_database
 from backfill.jobs import sweeps
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
-from backfill.scheduler.leases import SqlLeaseStore
 from backfill.scheduler.ticker import Ticker
 from backfill.storage import db as storage_db
 from backfill.storage import objects, settings
 from backfill.storage.broker import TaskName
 from backfill.storage.db import unit_of_work
+from backfill.storage.leases import SqlLeaseStore
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 

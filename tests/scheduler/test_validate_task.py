@@ -24,8 +24,8 @@ def _lines(n: int) -> bytes:
 
 
 def _reset() -> None:
-    from backfill.jobs import catalog
-    from backfill.scheduler import leases
+    from backfill.storage import fleet_models as catalog
+    from backfill.storage import leases
     from backfill.storage.db import _session_factory, get_engine
     from backfill.storage.objects import get_object_store
     from backfill.storage.settings import get_settings
@@ -85,8 +85,8 @@ def _status(batch_id: str) -> tuple[BatchStatus, list[dict[str, object]] | None]
 
 
 def test_validates_and_a_second_message_while_one_runs_does_nothing(env: pytest.MonkeyPatch) -> None:
-    from backfill.scheduler.leases import exclusive_lease, get_lease_store
     from backfill.scheduler.tasks import validate_batch
+    from backfill.storage.leases import exclusive_lease, get_lease_store
 
     batch_id = _batch(_lines(3))
     with exclusive_lease(get_lease_store(), f"validate:{batch_id}", ttl_s=30) as mine:
@@ -119,7 +119,8 @@ def test_an_unreachable_fleet_leaves_the_batch_to_the_next_nudge(env: pytest.Mon
 def test_a_validation_stopped_while_writing_its_index_is_resumed_by_the_next_nudge(env: pytest.MonkeyPatch) -> None:
     from contextlib import contextmanager
 
-    from backfill.jobs import sweeps, validation
+    from backfill.jobs import sweeps
+    from backfill.jobs.validation import outcome as validation
     from backfill.scheduler.tasks import validate_batch
     from backfill.storage.db import unit_of_work
 
@@ -161,7 +162,9 @@ def test_a_validation_stopped_while_writing_its_index_is_resumed_by_the_next_nud
 
 
 def test_a_batch_cancelled_while_it_validates_ends_cancelled_and_its_index_stops(env: pytest.MonkeyPatch) -> None:
-    from backfill.jobs import batches, output, validation
+    from backfill.jobs import batches
+    from backfill.jobs.output import finalize as output
+    from backfill.jobs.validation import outcome as validation
     from backfill.scheduler.tasks import validate_batch
     from backfill.storage.db import unit_of_work
     from backfill.storage.objects import get_object_store

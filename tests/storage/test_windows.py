@@ -8,8 +8,7 @@ from decimal import Decimal
 import pytest
 from pydantic import ValidationError
 
-from backfill.storage.settings import Settings
-from backfill.storage.windows import parse_duration, parse_multipliers, parse_windows
+from backfill.storage.settings import Settings, parse_duration, parse_multipliers, parse_windows
 
 HOUR, DAY = 3600, 86400
 

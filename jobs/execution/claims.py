@@ -1,0 +1,332 @@
+"""Claims on request lines: taking pending lines to run, and giving them back.
+
+A claim is a token written on each line it holds; every write here is a compare-and-set on the
+line's state and that token, so a slow worker presumed dead cannot touch lines claimed since.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Select, or_, select, update
+from sqlalchemy.orm import Session, aliased
+
+from backfill.jobs.execution.prefixes import PREFIX_WARM_S
+from backfill.jobs.files import file_key
+from backfill.jobs.models import SERVED_LINES, Batch, BatchRequest, BatchStatus, RequestState, utcnow
+
+HOT_PREFIXES = 32  # shared prefixes in flight that another batch's claim looks for first
+SCAN_LINES = 4096  # pending lines of a batch, in tree order, a claim looks through
+
+
+@dataclass(frozen=True)
+class ClaimedRequest:
+    batch_id: str
+    line: int
+    custom_id: str
+    offset: int
+    length: int
+    attempts: int
+    input_key: str
+    endpoint: str
+    token_estimate: int
+
+
+def claim_requests(
+    session: Session,
+    *,
+    batch_id: str,
+    limit: int,
+    claim_token: str,
+    now: datetime | None = None,
+    kv_budget_tokens: int | None = None,
+) -> list[ClaimedRequest]:
+    """Move up to `limit` pending lines of one batch to running under `claim_token`.
+
+    Lines go in prefix-tree order (`jobs.execution.prefixes`): the requests under one prefix together,
+    a prompt before the prompts extending it, and a line whose `after_line` has not finished
+    waits (an agent trace's turns run one after another). A prefix new to the fleet goes with
+    one line first, the others once it has warmed the cache (PREFIX_WARM_S). Lines under a
+    prefix that the team's other running batches of the same model have in flight go first, so
+    batches sharing prefixes share the cache too. With `kv_budget_tokens` (the fleet's KV cache
+    open to batch work), new sharing work (a prefix group, an agent session) starts only while
+    what is in flight fits it (each shared prefix counted once, plus each line's own tokens,
+    plus the context of every session between two turns); lines sharing nothing are not held
+    back. The batches and how many lines each get are the planner's choice, made before.
+    """
+    now = now or utcnow()
+    # FOR KEY SHARE: claims do not wait on each other or on recorded results, but an expiry
+    # (FOR UPDATE on the row, `jobs.sweeps.expire_overdue`) waits for this claim to commit, and
+    # a claim that comes after it finds the batch no longer in progress.
+    batch = session.get(Batch, batch_id, with_for_update={"read": True, "key_share": True})
+    if batch is None or batch.status != BatchStatus.in_progress or limit <= 0:
+        return []
+    # Look no further than this many pending lines into the tree: a claim costs the same in a
+    # batch of a million lines, and what lies beyond cannot be due before what lies within.
+    bound = session.execute(
+        select(BatchRequest.prefix_rank)
+        .where(BatchRequest.batch_id == batch_id, BatchRequest.state == RequestState.pending)
+        .order_by(BatchRequest.prefix_rank, BatchRequest.line)
+        .offset(SCAN_LINES)
+        .limit(1)
+    ).scalar_one_or_none()
+    footprint = _InFlight.load(session, team_id=batch.team_id, model=batch.model, now=now)
+    if kv_budget_tokens is not None:
+        waiting = _ready(session, batch_id=batch_id, now=now, bound=bound, continuations=True)
+        footprint.reserve(session.execute(waiting.limit(SCAN_LINES)))
+    hot = footprint.hot_prefixes
+    picked: list[_Candidate] = []
+    if hot:
+        pick = _ready(session, batch_id=batch_id, now=now, bound=bound).where(BatchRequest.prefix_hash.in_(hot))
+        picked = _locked(session, pick.limit(limit))
+    if len(picked) < limit:
+        pick = _ready(session, batch_id=batch_id, now=now, bound=bound)
+        if picked:
+            pick = pick.where(BatchRequest.line.not_in([p.line for p in picked]))
+        picked += _locked(session, pick.limit(limit - len(picked)))
+    cooling = {c.prefix_hash for c in picked if c.prefix_hash in footprint.prefixes} - footprint.warm
+    if cooling:  # in flight now, and maybe served long before: then its blocks are cached
+        footprint.warm |= _served_since(session, batch_id=batch_id, prefixes=cooling, now=now)
+    lines = footprint.admit(picked, kv_budget_tokens)
+    if not lines:
+        return []
+    # One round trip: the compare-and-set and the claimed lines' columns (no ORM rows to build).
+    returned = session.execute(
+        update(BatchRequest)
+        .where(
+            BatchRequest.batch_id == batch_id,
+            BatchRequest.line.in_(lines),
+            BatchRequest.state == RequestState.pending,
+        )
+        .values(state=RequestState.running, claim_token=claim_token, claimed_at=now)
+        .returning(
+            BatchRequest.line,
+            BatchRequest.custom_id,
+            BatchRequest.offset,
+            BatchRequest.length,
+            BatchRequest.attempts,
+            BatchRequest.token_estimate,
+            BatchRequest.prefix_rank,
+        )
+        .execution_options(synchronize_session=False)
+    ).all()
+    rows = sorted(returned, key=lambda r: (r.prefix_rank, r.line))  # RETURNING keeps no order
+    key = file_key(batch.team_id, batch.input_file_id)
+    return [
+        ClaimedRequest(
+            batch_id=batch_id,
+            line=r.line,
+            custom_id=r.custom_id,
+            offset=r.offset,
+            length=r.length,
+            attempts=r.attempts,
+            input_key=key,
+            endpoint=batch.endpoint,
+            token_estimate=r.token_estimate,
+        )
+        for r in rows
+    ]
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    line: int
+    prefix_hash: str
+    prefix_tokens: int
+    kv_tokens: int
+    after_line: int | None
+
+    @property
+    def own_tokens(self) -> int:
+        """The KV beyond its shared prefix."""
+        return max(self.kv_tokens - self.prefix_tokens, 0)
+
+
+def _ready(
+    session: Session, *, batch_id: str, now: datetime, bound: int | None, continuations: bool = False
+) -> Select[int, str, int, int, int | None]:
+    """Pending lines of a batch that may run now, in prefix-tree order (with `continuations`,
+    only those waiting for nothing but a free slot after their previous turn finished)."""
+    previous = aliased(BatchRequest)
+    previous_unfinished = (
+        select(previous.line)
+        .where(
+            previous.batch_id == BatchRequest.batch_id,
+            previous.line == BatchRequest.after_line,
+            previous.state.in_([RequestState.pending, RequestState.running]),
+        )
+        .exists()
+    )
+    pick = (
+        select(
+            BatchRequest.line,
+            BatchRequest.prefix_hash,
+            BatchRequest.prefix_tokens,
+            BatchRequest.kv_tokens,
+            BatchRequest.after_line,
+        )
+        .where(
+            BatchRequest.batch_id == batch_id,
+            BatchRequest.state == RequestState.pending,
+            or_(BatchRequest.not_before.is_(None), BatchRequest.not_before <= now),
+        )
+        .order_by(BatchRequest.prefix_rank, BatchRequest.line)
+    )
+    if continuations:
+        pick = pick.where(BatchRequest.after_line.is_not(None), ~previous_unfinished)
+    else:
+        pick = pick.where(or_(BatchRequest.after_line.is_(None), ~previous_unfinished))
+    if bound is not None:
+        pick = pick.where(BatchRequest.prefix_rank <= bound)
+    return pick
+
+
+def _served_since(session: Session, *, batch_id: str, prefixes: set[str], now: datetime) -> set[str]:
+    """Which of these prefixes a line of the batch began at least PREFIX_WARM_S ago."""
+    warmed_before = now - timedelta(seconds=PREFIX_WARM_S)
+    out = set()
+    for prefix_hash in prefixes:
+        found = session.execute(
+            select(BatchRequest.line)
+            .where(
+                BatchRequest.batch_id == batch_id,
+                SERVED_LINES,
+                BatchRequest.prefix_hash == prefix_hash,
+                BatchRequest.claimed_at <= warmed_before,
+            )
+            .limit(1)
+        ).first()
+        if found is not None:
+            out.add(prefix_hash)
+    return out
+
+
+def _locked(session: Session, pick: Select[int, str, int, int, int | None]) -> list[_Candidate]:
+    """The picked lines, locked against other claimers (who skip them)."""
+    if session.get_bind().dialect.name == "postgresql":
+        pick = pick.with_for_update(of=BatchRequest, skip_locked=True)
+    return [_Candidate(*row) for row in session.execute(pick)]
+
+
+@dataclass
+class _InFlight:
+    """The KV that batch work holds in the fleet's cache: each shared prefix once, plus every
+    running line's own tokens (a session's turn: up to the session's largest context)."""
+
+    prefixes: dict[str, int]
+    own_tokens: int
+    hot_prefixes: list[str]  # shared prefixes in flight for the same team and model
+    warm: set[str]  # shared prefixes in flight whose blocks the fleet has had time to cache
+    reserved: set[int] = field(default_factory=set)  # lines of this batch counted already
+
+    @classmethod
+    def load(cls, session: Session, *, team_id: str, model: str | None, now: datetime) -> _InFlight:
+        rows = session.execute(
+            select(
+                BatchRequest.prefix_hash,
+                BatchRequest.prefix_tokens,
+                BatchRequest.kv_tokens,
+                BatchRequest.claimed_at,
+                Batch.team_id,
+                Batch.model,
+            )
+            .join(Batch, Batch.id == BatchRequest.batch_id)
+            .where(BatchRequest.state == RequestState.running)
+        )
+        prefixes: dict[str, int] = {}
+        hot: dict[str, None] = {}
+        warm: set[str] = set()
+        own = 0
+        warmed_before = now - timedelta(seconds=PREFIX_WARM_S)
+        for prefix_hash, prefix_tokens, kv_tokens, claimed_at, team, row_model in rows:
+            own += max(kv_tokens - prefix_tokens, 0)
+            if prefix_tokens:
+                prefixes[prefix_hash] = prefix_tokens
+                if claimed_at is None or claimed_at <= warmed_before:
+                    warm.add(prefix_hash)
+                if team == team_id and row_model == model and len(hot) < HOT_PREFIXES:
+                    hot[prefix_hash] = None
+        return cls(prefixes, own, list(hot), warm)
+
+    def reserve(self, continuations: Iterable[Sequence[Any]]) -> None:
+        """Count the sessions between two turns (rows of lines whose previous turn finished):
+        their context is in the cache, and evicting it would lose the next turn's hit."""
+        for row in continuations:
+            c = _Candidate(*row)
+            self.reserved.add(c.line)
+            self.own_tokens += c.own_tokens
+            if c.prefix_tokens:
+                self.prefixes.setdefault(c.prefix_hash, c.prefix_tokens)
+                self.warm.add(c.prefix_hash)
+
+    def admit(self, candidates: list[_Candidate], budget: int | None) -> list[int]:
+        """The candidates that may go, in order.
+
+        A line continuing a finished turn always goes (its context is counted already). A
+        prefix new to the fleet goes with one line first: the others follow once that one has
+        had PREFIX_WARM_S to be scheduled, so they find its blocks cached (and the router
+        finds the worker) instead of all computing them at once. Once a line sharing a prefix
+        must wait, for the leader or for room in the KV budget, no later sharing line goes (a
+        later prefix must not overtake it); lines sharing nothing still do. Something always
+        runs when nothing is in flight.
+        """
+        used = sum(self.prefixes.values()) + self.own_tokens
+        out: list[int] = []
+        full = False
+        for c in candidates:
+            new_prefix = c.prefix_tokens if c.prefix_hash not in self.prefixes else 0
+            if c.after_line is None and c.prefix_tokens > 0:
+                waiting = c.prefix_hash in self.prefixes and c.prefix_hash not in self.warm
+                too_big = budget is not None and used > 0 and used + new_prefix + c.own_tokens > budget
+                full = full or waiting or too_big
+                if full:
+                    continue
+            out.append(c.line)
+            if c.line not in self.reserved:
+                used += new_prefix + c.own_tokens
+            if c.prefix_tokens:
+                self.prefixes.setdefault(c.prefix_hash, c.prefix_tokens)
+        return out
+
+
+def release_for_retry(
+    session: Session, *, batch_id: str, line: int, claim_token: str, not_before: datetime, spend_attempt: bool = True
+) -> bool:
+    """Put a line back to pending after a transient failure, with a backoff time. A request that
+    never reached the fleet (every deployment's circuit open) waits without spending an attempt."""
+    result = session.execute(
+        update(BatchRequest)
+        .where(
+            BatchRequest.batch_id == batch_id,
+            BatchRequest.line == line,
+            BatchRequest.state == RequestState.running,
+            BatchRequest.claim_token == claim_token,
+        )
+        .values(
+            state=RequestState.pending,
+            attempts=BatchRequest.attempts + (1 if spend_attempt else 0),
+            not_before=not_before,
+            claim_token=None,
+        )
+        .execution_options(synchronize_session=False)
+    )
+    return bool(result.rowcount == 1)  # type: ignore[attr-defined]
+
+
+def requeue_unstarted(session: Session, *, batch_id: str, lines: Sequence[int], claim_token: str) -> None:
+    """Give back claimed lines that were never sent (capacity withdrawn): no attempt spent."""
+    if lines:
+        session.execute(
+            update(BatchRequest)
+            .where(
+                BatchRequest.batch_id == batch_id,
+                BatchRequest.line.in_(list(lines)),
+                BatchRequest.state == RequestState.running,
+                BatchRequest.claim_token == claim_token,
+            )
+            .values(state=RequestState.pending, claim_token=None)
+            .execution_options(synchronize_session=False)
+        )

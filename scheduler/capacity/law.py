@@ -1,0 +1,265 @@
+"""The capacity controller's law: how many batch requests the fleet can carry right now.
+
+Idle capacity is the room between the interactive latency of the moment and the interactive
+SLO, so the controller steers on latency, with the fleet's own telemetry as the sensor:
+
+- decode pool: the workers' mean inter-token latency over the last window (every running
+  sequence shares the engine's step time, so batch requests see what interactive ones see) and
+  KV cache occupancy; prefill pool: time to first token and the engines' waiting queues;
+- interactive requests in flight: streamed requests at the frontend (batch lines never stream),
+  or its in-flight count minus the batch leases held, whichever is larger;
+- what batch requests themselves saw: 429/503 answers, their prompt and output sizes.
+
+The law is AIMD-like. Grow in proportion to the room left while latency sits below the SLO
+with a margin (and only while the leases are actually used); cut in proportion to the overshoot
+when the smoothed latency crosses the target; cut hard when a queue forms, a 429/503 arrives,
+an engine preempts or its KV cache nears full, latency crosses the SLO itself, or interactive
+requests surge, and then
+also shed: publish a target below the in-flight count so drains abort their youngest requests
+and requeue them. The KV model caps the limit (the cache's token capacity follows from its byte
+budget and the bytes per token) and the engines' sequence slots cap it too, with a reserve kept
+for interactive arrivals. Without fresh telemetry the limit falls to the floor: fail closed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from backfill.scheduler.capacity.telemetry import FleetSnapshot, KvModel
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float  # interactive time to first token
+    itl_s: float  # interactive mean inter-token latency
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    slo: Slo
+    floor: int = 0
+    ceiling: int = 256
+    period_s: float = 0.25
+    stale_s: float = 1.5  # telemetry older than this counts as none
+    grow_below: float = 0.8  # grow while smoothed latency < this fraction of the target
+    cut_above: float = 0.92  # cut while smoothed latency > this fraction of the target
+    grow_gain: float = 0.5  # growth per period, as a fraction of the limit, scaled by the room left
+    cut_gain: float = 2.0  # cut per period, as a fraction of in-flight, per unit of relative overshoot
+    hard_cut: float = 0.5  # what is left of in-flight after a hard cut
+    hold_s: float = 0.75  # no growth for this long after a cut
+    surge_requests: int = 3  # interactive arrivals in one period that count as a surge
+    # With no interactive request in flight for idle_after_s, nobody is waiting on a token: the
+    # latency target stretches to idle_target x SLO, and the first interactive arrival sheds
+    # back down to what the SLO allows. 1.0 disables this.
+    idle_after_s: float = 1.0
+    idle_target: float = 1.0
+    seq_reserve: float = 0.25  # share of the engines' sequence slots never given to batch
+    kv_batch_share: float = 0.8  # share of the KV cache batch requests may fill at most
+    kv_full: float = 0.9  # KV occupancy of the fullest decoder at which preemption is near
+    kv: KvModel = field(default_factory=lambda: KvModel(bytes_per_token=0))
+    # `BACKFILL_CAPACITY_CONTROL=auto`: the limit while the fleet's telemetry has never answered
+    # (the fixed bound), so a fleet without metrics still gets work; once telemetry has been
+    # seen, losing it fails closed to the floor like `on`. None (`on`): always the floor.
+    unseen_limit: int | None = None
+    # EWMA weight of the newest latency window: the SLO is on a request's mean inter-token
+    # latency over its whole reply (a second or two), not on any 0.25 s window.
+    smoothing: float = 0.25
+    queue_periods: int = 3  # a waiting queue seen this many periods in a row has formed
+
+
+@dataclass(frozen=True)
+class ObsDelta:
+    """Batch observations since the previous period."""
+
+    n: float = 0.0
+    overloaded: float = 0.0
+    failed: float = 0.0
+    prompt_tokens: float = 0.0
+    completion_tokens: float = 0.0
+    dt_s: float = 0.0
+
+
+class Controller:
+    """The control law, free of I/O: one `step` per period."""
+
+    def __init__(self, cfg: ControlConfig) -> None:
+        self.cfg = cfg
+        self.limit = float(cfg.floor)
+        self._itl: float | None = None
+        self._ttft: float | None = None
+        self._itl_floor: float | None = None  # step time with (almost) no batch work
+        self._hold_until = 0.0
+        self._last_interactive = -1e9
+        self._was_idle = False
+        self._queued_for = 0
+        self._kv_per_request = 1024.0  # prompt + output tokens of a batch request, learned
+        self.seen = False  # whether complete telemetry has ever arrived
+        # KV cache tokens the decoders leave to batch work, from the KV model (None: unknown).
+        self.kv_budget_tokens: int | None = None
+
+    def _smooth(self, prev: float | None, new: float | None) -> float | None:
+        if new is None:
+            return prev
+        if prev is None:
+            return new
+        a = self.cfg.smoothing
+        return a * new + (1 - a) * prev
+
+    def _cap(self, snap: FleetSnapshot) -> int:
+        cfg = self.cfg
+        cap = cfg.ceiling
+        fe = snap.frontend
+        decoders = sum(1 for w in snap.workers if w.role in ("agg", "decode"))
+        if fe is not None and decoders:
+            if fe.max_num_seqs:
+                cap = min(cap, int(fe.max_num_seqs * decoders * (1 - cfg.seq_reserve)))
+            kv_tokens = cfg.kv.tokens(fe.kv_tokens_per_worker)
+            if kv_tokens:
+                self.kv_budget_tokens = int(kv_tokens * decoders * cfg.kv_batch_share)
+                cap = min(cap, int(self.kv_budget_tokens / self._kv_per_request))
+        return max(cap, cfg.floor)
+
+    def _fits(self, b: int, itl: float | None, target: float) -> int:
+        """In-flight batch requests that would bring the step time down to `target`, taking the
+        part of the step time above the no-batch floor as proportional to the load."""
+        floor = self._itl_floor if self._itl_floor is not None else 0.5 * self.cfg.slo.itl_s
+        if itl is None or itl <= target or itl <= floor:
+            return b
+        return max(0, int(b * max(0.0, target - floor) / (itl - floor)))
+
+    def step(self, snap: FleetSnapshot | None, batch_inflight: int, obs: ObsDelta, now: float) -> Decision:
+        cfg = self.cfg
+        if snap is None or not snap.complete or now - snap.at > cfg.stale_s:
+            # Fail closed, and start again from the floor once telemetry is back.
+            self.limit = float(cfg.floor)
+            self._itl = self._ttft = None
+            if not self.seen and cfg.unseen_limit is not None:
+                return Decision(cfg.unseen_limit, None, "unseen", batch=batch_inflight)
+            return Decision(cfg.floor, None, "no-telemetry", batch=batch_inflight)
+        self.seen = True
+        fe = snap.frontend
+        assert fe is not None
+        if obs.n:
+            per = (obs.prompt_tokens + obs.completion_tokens) / obs.n
+            if per > 0:
+                self._kv_per_request = 0.8 * self._kv_per_request + 0.2 * per
+        decode = snap.pool("decode")
+        prefill = snap.pool("prefill")
+        # Engine figures first; the frontend's (which mix in batch requests' own queueing)
+        # where a pool does not report them (e.g. disaggregated prefill workers and TTFT).
+        itl_raw = decode.itl_s if decode is not None and decode.itl_s is not None else fe.itl_s
+        ttft_raw = prefill.ttft_s if prefill is not None and prefill.ttft_s is not None else fe.ttft_s
+        b = batch_inflight
+        if itl_raw is None and ttft_raw is None and fe.inflight == 0 and b == 0:
+            # Nothing running, so nothing measured: the last latency is stale, not a reading. Kept,
+            # it would hold a limit cut to a floor of 0 there for good (no work, no new figure).
+            self._itl = self._ttft = None
+        self._itl = self._smooth(self._itl, itl_raw)
+        self._ttft = self._smooth(self._ttft, ttft_raw)
+        if itl_raw is not None and b <= 2:
+            self._itl_floor = itl_raw if self._itl_floor is None else 0.9 * self._itl_floor + 0.1 * itl_raw
+        interactive = max(fe.streaming, fe.inflight - b)
+        arrivals = fe.stream_arrivals
+        if interactive or arrivals:
+            self._last_interactive = now
+        idle = cfg.idle_target > 1.0 and now - self._last_interactive >= cfg.idle_after_s
+        waiting = sum(w.waiting for w in snap.workers) + fe.queued
+        queued = waiting >= max(2, 0.1 * sum(w.running for w in snap.workers))
+        self._queued_for = self._queued_for + 1 if queued else 0
+        queue_formed = self._queued_for >= cfg.queue_periods
+        preempted = sum(w.preempted for w in snap.workers)
+        overload = obs.overloaded + fe.rejected
+        cap = self._cap(snap)
+        kv = decode.kv_usage_max if decode is not None else 0.0
+
+        # Latency as a fraction of the target of the moment: the worse of the two pools.
+        scale = cfg.idle_target if idle else 1.0
+        itl_slo, ttft_slo = cfg.slo.itl_s * scale, cfg.slo.ttft_s * scale
+        pressure = max(
+            (self._itl / itl_slo) if self._itl is not None else 0.0,
+            (self._ttft / ttft_slo) if self._ttft is not None else 0.0,
+        )
+        raw_pressure = max(
+            (itl_raw / itl_slo) if itl_raw is not None else 0.0,
+            (ttft_raw / ttft_slo) if ttft_raw is not None else 0.0,
+        )
+        in_use = min(self.limit, float(b))
+        shed_to: int | None = None
+        if self._was_idle and not idle:
+            # Interactive work is back after a quiet spell: give back, at once, what the SLO
+            # (not the stretched idle target) cannot carry.
+            reason = "wake"
+            shed_to = self._fits(b, self._itl, cfg.cut_above * cfg.slo.itl_s)
+            self.limit = min(in_use, float(shed_to))
+            self._hold_until = now + cfg.hold_s
+        elif hard := next(
+            (
+                name
+                for name, hit in (
+                    ("overload", overload),
+                    ("preempted", preempted),
+                    ("kv-full", kv >= cfg.kv_full),
+                    ("queue", queue_formed),
+                    ("over-slo", pressure >= 1.0 or raw_pressure >= 1.5),
+                    ("surge", arrivals >= cfg.surge_requests and b),
+                )
+                if hit
+            ),
+            "",
+        ):
+            reason = hard
+            self.limit = in_use * cfg.hard_cut
+            shed_to = int(self.limit)
+            self._hold_until = now + cfg.hold_s
+        elif pressure > cfg.cut_above:
+            reason = "cut"
+            overshoot = (pressure - cfg.cut_above) / cfg.cut_above
+            self.limit = in_use * max(cfg.hard_cut, 1.0 - cfg.cut_gain * overshoot)
+            self._hold_until = now + cfg.hold_s
+        elif now < self._hold_until:
+            reason = "hold"
+        elif pressure < cfg.grow_below and b >= int(0.7 * self.limit):
+            # (int: with a fractional limit below one, no lease can be taken, and growth must
+            # not wait for one.)
+            reason = "grow"
+            room = (cfg.grow_below - pressure) / cfg.grow_below
+            self.limit += max(1.0, cfg.grow_gain * room * self.limit)
+        else:
+            reason = "steady"
+        self._was_idle = idle
+        self.limit = min(max(self.limit, float(cfg.floor)), float(cap))
+        if shed_to is not None:
+            shed_to = max(shed_to, cfg.floor)
+            if shed_to >= b:
+                shed_to = None
+        return Decision(
+            limit=int(self.limit),
+            shed_to=shed_to,
+            reason=reason,
+            interactive=interactive,
+            batch=b,
+            itl_s=self._itl,
+            ttft_s=self._ttft,
+            kv_usage=kv,
+            cap=cap,
+            idle=idle,
+        )
+
+
+# What the capacity controller decided for one period: the law's output (`scheduler.capacity.law`),
+# published by its loop (`scheduler.capacity.controller`) and recorded as metrics (`scheduler.metrics`).
+#
+
+
+@dataclass(frozen=True)
+class Decision:
+    limit: int
+    shed_to: int | None
+    reason: str
+    interactive: int = 0
+    batch: int = 0
+    itl_s: float | None = None
+    ttft_s: float | None = None
+    kv_usage: float = 0.0
+    cap: int = 0
+    idle: bool = False

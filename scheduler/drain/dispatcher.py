@@ -1,0 +1,395 @@
+"""The drain loop: lease capacity, claim lines, send them to the fleet, record results.
+
+The stages live beside it: admission (`scheduler.capacity.admission`), the claim and the bodies' reads
+(`scheduler.drain.dispatcher`), the fleet call (`scheduler.fleet.n_expansion`, `scheduler.fleet.client`), aborting
+calls when the controller sheds (`scheduler.drain.shedding`) and recording (`scheduler.drain.recorder`).
+A reply is parsed once, as it arrives, into the `Answer` the drain observes and the recorder stores.
+
+One asyncio loop per drain task keeps many requests in flight without one broker message
+per request. Results are committed in small groups; a claim whose holder dies is reclaimed
+by the scheduler after its heartbeat lapses, so nothing is lost and nothing is written twice.
+
+Faults a drain rides out rather than dies of:
+- SIGTERM (`shutdown` set): it stops claiming at once, lets in-flight requests finish for the
+  grace period, then aborts the rest and gives their lines back without spending an attempt.
+- The database unreachable: the replies in hand wait in the recorder's bounded buffer while it
+  retries with backoff (up to `db_patience_s`); meanwhile nothing new is claimed or sent.
+- Redis unreachable or restarted empty: no new leases (so nothing new is sent), in-flight
+  requests finish and are recorded; the keepalive re-asserts the heartbeat and leases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import replace
+
+import orjson
+from redis.exceptions import RedisError
+
+from backfill.jobs.execution.claims import ClaimedRequest
+from backfill.scheduler.capacity.admission import Admission, LeaseReturns, Observation, pool_of
+from backfill.scheduler.drain.claiming import claim_lines, read_bodies
+from backfill.scheduler.drain.escalation import EscalatedRelease, overflow_request_id
+from backfill.scheduler.drain.recorder import Answer, Done, Recorder
+from backfill.scheduler.drain.shedding import InflightCalls
+from backfill.scheduler.fleet.breaker import BreakerState
+from backfill.scheduler.fleet.client import FleetClient, FleetReply, add_routing_hints
+from backfill.scheduler.fleet.n_expansion import post_request
+from backfill.scheduler.metrics import record_fleet_reply
+from backfill.storage.db import is_transient
+from backfill.storage.leases import LeaseStore
+from backfill.storage.objects import ObjectStore
+
+log = logging.getLogger("backfill.dispatch")
+
+CLAIM_GROUP = 32
+DRAIN_POOL = "drains"
+UNSHEDDABLE = -1  # the shedding key of escalated calls: no controller's shed target aborts them
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        *,
+        store: ObjectStore,
+        leases: LeaseStore,
+        admission: Admission,
+        fleet: FleetClient,
+        planner: Callable[[int], list[tuple[str, int]]],
+        max_attempts: int,
+        hint_mode: str = "nvext",
+        shutdown: threading.Event | None = None,
+        grace_s: float = 20.0,
+        db_patience_s: float = 120.0,
+        kv_budget_tokens: int | None = None,
+        expand_n: bool | None = None,
+        escalation: EscalatedRelease | None = None,
+    ) -> None:
+        self.store = store
+        self.leases = leases
+        self.admission = admission
+        self.fleet = fleet
+        self.planner = planner
+        self.max_attempts = max_attempts
+        self.hint_mode = hint_mode
+        # Prefix-aware release (jobs.execution.claims): the fleet's KV tokens open to batch work, and
+        # whether n > 1 goes as n requests (True), whole (False) or whole and completed (None).
+        self.kv_budget_tokens = kv_budget_tokens
+        self.expand_n = expand_n
+        self.escalation = escalation  # escalated lines: beyond the limit, or to overflow
+        self.shutdown = shutdown or threading.Event()
+        self.grace_s = grace_s
+        self.db_patience_s = db_patience_s
+        self.holder = f"drain-{uuid.uuid4().hex[:12]}"
+        self._held: dict[str, str] = {}  # lease id -> its pool, for renewal
+        self.recorder = Recorder(
+            holder=self.holder, max_attempts=max_attempts, patience_s=db_patience_s, finish_by=self._finish_by
+        )
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._calls = InflightCalls(admission, leases, self._lease_store_down)  # what a shed may abort
+        self._returns = LeaseReturns(admission, self._lease_store_down)  # freed leases, given back in groups
+        self._on: Counter[int] = Counter()  # this drain's lines in hand, per deployment
+        self._stop_seen_at: float | None = None
+        self._leases_down_since: float | None = None
+        self._claim_in_doubt = False  # a claim failed on the connection: it may have committed
+        self._abort_all = False
+        self.sent = 0
+        self.aborted = 0
+
+    # -- shutdown ---------------------------------------------------------------------------
+
+    def _stopping(self) -> bool:
+        if self._stop_seen_at is None and self.shutdown.is_set():
+            self._stop_seen_at = time.monotonic()
+            log.info(
+                "drain %s: shutting down: claiming stopped; %d requests in flight get %.0f s to finish",
+                self.holder,
+                len(self._inflight),
+                self.grace_s,
+            )
+        return self._stop_seen_at is not None
+
+    def _finish_by(self) -> float | None:
+        """When a stopping drain must be done (recorded what it has and given back the rest)."""
+        self._stopping()
+        return None if self._stop_seen_at is None else self._stop_seen_at + self.grace_s
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    async def run(self, slice_s: float, *, max_drains: int) -> int:
+        """Work for about `slice_s` seconds (or until no work is left); returns requests sent.
+
+        A drain first takes one of `max_drains` slots, so surplus nudges end at once."""
+        if self._stopping():
+            return 0
+        try:
+            slot = await asyncio.to_thread(
+                self.leases.acquire, DRAIN_POOL, limit=max_drains, n=1, ttl_s=self.admission.ttl_s
+            )
+            if slot:
+                await asyncio.to_thread(self.leases.heartbeat, self.holder, ttl_s=self.admission.ttl_s)
+        except RedisError:
+            log.warning("lease store unreachable: drain not started", exc_info=True)
+            return 0
+        if not slot:
+            return 0
+        self._held[slot[0]] = DRAIN_POOL
+        keepalive = asyncio.create_task(self._keepalive())
+        writer = asyncio.create_task(self.recorder.run())
+        watcher = asyncio.create_task(self._calls.watch())
+        slot_held = True
+        try:
+            await self._release_loop(time.monotonic() + slice_s)
+            # Claiming is over: the slot goes now, not after the last reply (a long request can
+            # take minutes), so the scheduler starts a drain for work that arrives meanwhile. The
+            # requests still in flight hold their capacity leases, which is what bounds the fleet.
+            slot_held = not await self._release_slot(slot)
+            await self._finish_inflight()
+        finally:
+            watcher.cancel()
+            await self._returns.flush()
+            await self.recorder.queue.put(None)
+            await writer
+            await self.recorder.give_back_unsent(in_doubt=self._claim_in_doubt)
+            keepalive.cancel()
+            try:
+                await asyncio.to_thread(self.admission.flush_observations, 0.0)
+            except RedisError:
+                log.warning("could not flush the observations", exc_info=True)
+            if slot_held:
+                await self._release_slot(slot)
+        if self._stop_seen_at is not None:
+            log.info(
+                "drain %s: stopped %.1f s after the shutdown signal (%d aborted and requeued)",
+                self.holder,
+                time.monotonic() - self._stop_seen_at,
+                self.aborted,
+            )
+        return self.sent
+
+    async def _release_slot(self, slot: list[str]) -> bool:
+        try:
+            await asyncio.to_thread(self.leases.release, DRAIN_POOL, slot)
+        except RedisError:
+            log.warning("could not release the drain slot; it lapses by itself", exc_info=True)
+            return False
+        self._held.pop(slot[0], None)
+        return True
+
+    async def _release_loop(self, deadline: float) -> None:
+        idle_rounds = 0
+        while time.monotonic() < deadline and not self._stopping():
+            if not self.recorder.db_ok.is_set():
+                await self.recorder.wait_for_db(until=lambda: time.monotonic() >= deadline or self._stopping())
+                continue
+            if self.escalation is not None:
+                await self._release_escalated()
+            try:
+                leases = await self.admission.acquire_spread(
+                    CLAIM_GROUP, wait_s=0.5, cancel=self._stopping, room=self._room
+                )
+                self._lease_store_up()
+            except RedisError:
+                self._lease_store_down("taking leases")
+                await asyncio.sleep(0.5)
+                continue
+            if not leases:
+                continue
+            try:
+                claimed = await asyncio.to_thread(
+                    claim_lines,
+                    self.planner,
+                    len(leases),
+                    holder=self.holder,
+                    kv_budget_tokens=self.kv_budget_tokens,
+                )
+            except RedisError:  # the planner reads the published rate
+                await self._give_back(leases)
+                self._lease_store_down("planning")
+                await asyncio.sleep(0.5)
+                continue
+            except Exception as exc:
+                await self._give_back(leases)
+                if not is_transient(exc):
+                    raise
+                self._claim_in_doubt = True
+                self.recorder.unreachable(exc)
+                continue
+            if not claimed:
+                await self._give_back(leases)
+                idle_rounds += 1
+                if idle_rounds >= 3 and not self._inflight:
+                    return  # nothing to do: the scheduler starts another drain when work arrives
+                # With requests in flight, one finishing may free lines that wait for it (an
+                # agent trace's next turn, KV budget): look again soon.
+                await asyncio.sleep(min(0.1 * idle_rounds, 0.1 if self._inflight else 1.0))
+                continue
+            idle_rounds = 0
+            await self._give_back(leases[len(claimed) :])
+            if not await self._launch(claimed, leases):
+                await asyncio.sleep(1.0)
+
+    async def _launch(
+        self, claimed: list[ClaimedRequest], leases: list[tuple[str, int]], *, escalated: bool = False
+    ) -> bool:
+        """Read the claimed lines' bodies and send each under its lease; False (the lines
+        requeued, their leases given back) when the object store failed the read."""
+        try:
+            bodies = await asyncio.to_thread(read_bodies, self.store, claimed)
+        except Exception:
+            log.exception("reading %d claimed lines from the object store failed; requeued", len(claimed))
+            await self._give_back(leases[: len(claimed)])
+            for request in claimed:
+                await self.recorder.put(Done(request, None))
+            return False
+        for request, (lease, deployment) in zip(claimed, leases, strict=False):
+            self._held[lease] = pool_of(deployment)
+            self._on[deployment] += 1
+            task = asyncio.create_task(
+                self._send(request, lease, deployment, bodies[(request.batch_id, request.line)], escalated=escalated)
+            )
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
+        return True
+
+    async def _release_escalated(self) -> None:
+        """Escalated batches' lines (`scheduler.drain.escalation`): beyond the limit, or on overflow."""
+        assert self.escalation is not None
+        try:
+            states = await self.fleet.states()
+        except (RedisError, OSError):
+            return  # the breakers cannot be read: escalated lines wait for the next round
+        try:
+            taken = await self.escalation.take(CLAIM_GROUP, holder=self.holder, states=states, held=dict(self._on))
+        except RedisError:
+            self._lease_store_down("taking escalated leases")
+            return
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            self._claim_in_doubt = True
+            self.recorder.unreachable(exc)
+            return
+        if taken:
+            await self._launch([r for r, _, _ in taken], [(lease, d) for _, lease, d in taken], escalated=True)
+
+    async def _finish_inflight(self) -> None:
+        """Wait for the requests in flight; once stopping, only until shortly before the grace
+        ends, then abort the rest (their lines go back to pending, no attempt spent)."""
+        while self._inflight:
+            finish_by = self._finish_by() if self._stopping() else None
+            if finish_by is not None and time.monotonic() >= finish_by - min(2.0, self.grace_s / 4):
+                self._abort_all = True
+                self._calls.abort_all()
+                await asyncio.gather(*self._inflight, return_exceptions=True)
+                return
+            await asyncio.wait(self._inflight, timeout=0.1)
+
+    async def _give_back(self, leases: list[tuple[str, int]]) -> None:
+        for lease, deployment in leases:
+            self._returns.add(lease, deployment)
+
+    async def _room(self, n: int) -> dict[int, int]:
+        """Leases each deployment may give this drain now: all it wants while its circuit is closed;
+        else one (to wait for the probe with) unless it has a line there already."""
+        try:
+            states = await self.fleet.states()
+        except (RedisError, OSError):  # Redis away: the breakers decide locally when a line is sent
+            states = [BreakerState.closed] * self.fleet.deployments
+        return {d: n if state is BreakerState.closed else (0 if self._on[d] else 1) for d, state in enumerate(states)}
+
+    def _lease_store_down(self, what: str) -> None:  # logs an outage's first failure only
+        if self._leases_down_since is None:
+            self._leases_down_since = time.monotonic()
+            log.warning("lease store unreachable (%s): nothing new is sent until it is back", what, exc_info=True)
+
+    def _lease_store_up(self) -> None:
+        if self._leases_down_since is not None:
+            log.info("lease store reachable again after %.1f s", time.monotonic() - self._leases_down_since)
+            self._leases_down_since = None
+
+    async def _send(
+        self, request: ClaimedRequest, lease: str, deployment: int, raw: bytes, *, escalated: bool = False
+    ) -> None:
+        answer: Answer | None = None  # None: aborted, the line goes back to pending
+        call: asyncio.Task[FleetReply] | None = None
+        try:
+            if self._abort_all:  # past the shutdown grace before it was sent: requeued unsent
+                self.aborted += 1
+            else:
+                body = orjson.loads(raw)["body"]
+                # Only the fleet call itself can be shed; recording the outcome always runs.
+                body = add_routing_hints(body, self.hint_mode)
+                call = asyncio.create_task(
+                    post_request(self.fleet, request.endpoint, body, expand_n=self.expand_n, deployment=deployment)
+                )
+                self._calls.add(call, UNSHEDDABLE if escalated else deployment)
+                reply = await call
+                self.sent += 1
+                answer = Answer.of(reply)  # parsed here, once: observed now, recorded as it is
+                if deployment >= self.admission.deployments:  # the output shows where it ran
+                    answer = replace(
+                        answer,
+                        outcome=replace(answer.outcome, request_id=overflow_request_id(answer.outcome.request_id)),
+                        # An overflow that fails is ours to route around: the line goes back to the
+                        # fleet paths without spending an attempt (its breaker stops the next ones).
+                        sent=answer.sent and not answer.transient,
+                    )
+                self._observe(reply, answer, deployment)
+                record_fleet_reply(reply)
+        except asyncio.CancelledError:
+            if call is None or not call.cancelled():
+                raise
+            # Shed by the capacity controller, or past the shutdown grace: closing the connection
+            # makes the fleet drop the request and free its KV cache; the line goes back to pending.
+            answer = None
+            self.aborted += 1
+        except Exception as exc:
+            log.exception("sending line %s of batch %s failed", request.line, request.batch_id)
+            answer = Answer.of(
+                FleetReply(500, orjson.dumps({"error": {"message": repr(exc)}}), None, 0.0, transient=True)
+            )
+        finally:
+            if call is not None:
+                self._calls.discard(call)
+            self._held.pop(lease, None)
+            self._on[deployment] -= 1
+            self._returns.add(lease, deployment)
+        await self.recorder.put(Done(request, answer))
+
+    def _observe(self, reply: FleetReply, answer: Answer, deployment: int) -> None:
+        if deployment >= self.admission.deployments:
+            return  # an overflow deployment: no controller steers it, its breaker guards it
+        usage = answer.outcome.usage if reply.status_code == 200 else None
+        self.admission.observe(
+            Observation(
+                reply.status_code,
+                reply.latency_s,
+                reply.transient,
+                prompt_tokens=usage.prompt_tokens if usage else 0,
+                completion_tokens=usage.completion_tokens if usage else 0,
+            ),
+            deployment,
+        )
+
+    async def _keepalive(self) -> None:
+        period = self.admission.ttl_s / 3
+        while True:
+            await asyncio.sleep(period)
+            try:
+                # Both are upserts while the store recovers from a loss of its data: a Redis that
+                # restarted empty gets this drain's heartbeat and leases back within a period.
+                await asyncio.to_thread(self.leases.heartbeat, self.holder, ttl_s=self.admission.ttl_s)
+                for pool in {DRAIN_POOL, *self._held.values()}:
+                    ids = [lease for lease, p in self._held.items() if p == pool]
+                    await asyncio.to_thread(self.leases.renew, pool, ids, ttl_s=self.admission.ttl_s)
+            except RedisError:
+                self._lease_store_down("heartbeat")
+            except Exception:
+                log.warning("heartbeat failed", exc_info=True)

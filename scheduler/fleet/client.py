@@ -1,0 +1,321 @@
+"""The fleet client: one pooled HTTP client over the fleet's deployments (its OpenAI-compatible
+base URLs, `BACKFILL_FLEET_URLS`), with a circuit breaker per deployment (`scheduler.fleet.breaker`).
+
+Each request goes to the next deployment in turn whose breaker lets it through. A request that
+could not even connect is tried on the next deployment at once: it never reached the fleet, so
+nothing runs twice. A request sent under a deployment's capacity lease (`deployment=`) goes to
+that deployment only: refused, it comes back unsent (its line requeued without spending an
+attempt) rather than land on another deployment beyond that one's limit. While no deployment will take it (circuits open, connections refused) a call
+waits (at most `open_wait_s`) for a breaker to let it through: the drain backs off instead of
+spending attempts on a fleet known to be down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import logging
+import math
+import random
+import ssl
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+import redis.asyncio
+
+from backfill.scheduler.fleet.breaker import Breaker, BreakerPolicy, BreakerState, Permit, SharedBreaker, local_breaker
+
+log = logging.getLogger("backfill.fleet")
+
+RETRYABLE_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
+MAX_REPLY_BYTES = 64 * 1024 * 1024
+# HTTP clients the fleet's connections are spread over: each request polls every connection of
+# its pool (httpcore's expiry check), so 64 lines in flight over 32 pools cost ~2 polls a request
+# (over 8 pools: ~8, and the drain's CPU a line was a third higher: docs/capacity.md).
+POOL_SHARDS = 32
+
+
+@dataclass(frozen=True)
+class FleetReply:
+    status_code: int
+    body: bytes
+    request_id: str | None
+    latency_s: float
+    transient: bool  # worth retrying: overload, server error, timeout, connection failure
+    deployment: str | None = None  # the base URL it was sent to
+    # False when no deployment received the request (every circuit open, or no connection):
+    # the line may go back to pending without spending an attempt.
+    sent: bool = True
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """One TLS context for every client of the process: loading the CA bundle costs tens of
+    milliseconds, and a drain (a Celery task) makes its clients afresh each time."""
+    return httpx.create_ssl_context()
+
+
+class _BodyStalled(Exception):
+    pass
+
+
+class _ReplyTooLarge(Exception):
+    pass
+
+
+def _seen(done: asyncio.Future[Permit]) -> None:
+    if not done.cancelled():
+        done.exception()
+
+
+class FleetClient:
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        timeout_s: float,
+        api_key: str = "",
+        max_connections: int = 1024,
+        redis_url: str = "",
+        breaker_policy: BreakerPolicy | None = None,
+        body_idle_timeout_s: float = 30.0,
+        open_wait_s: float = 15.0,
+        overflow_urls: list[str] | None = None,
+        overflow_api_key: str = "",
+    ) -> None:
+        """`timeout_s` bounds a whole exchange (a long generation may take minutes before its
+        first byte); once the headers are in, the body must keep flowing: a read that brings
+        nothing for `body_idle_timeout_s` ends the exchange as a stalled reply.
+        With `redis_url` the breakers are shared by every worker; without, they live in this process.
+        `overflow_urls` (`BACKFILL_OVERFLOW_URLS`) are deployments after the fleet's, each with a
+        breaker of its own, reached only when asked for by index (escalated lines, never by turn)."""
+        if not urls:
+            raise ValueError("no fleet URL configured (BACKFILL_FLEET_URLS)")
+        self.fleet_deployments = len(urls)
+        self._urls = [*urls, *(overflow_urls or [])]
+        # The overflow's own key, if it has one (a serverless pool, another provider).
+        self._auth = {
+            i: {"Authorization": f"Bearer {overflow_api_key}"}
+            for i in range(len(urls), len(self._urls))
+            if overflow_api_key
+        }
+        self._turn = itertools.count()
+        self._asking: dict[int, asyncio.Future[Permit]] = {}  # a breaker's question in flight
+        self._timeout_s = timeout_s
+        self._body_idle_s = min(body_idle_timeout_s, timeout_s)
+        self._open_wait_s = open_wait_s
+        policy = breaker_policy or BreakerPolicy()
+        self._redis = (
+            redis.asyncio.Redis.from_url(
+                redis_url, decode_responses=True, socket_timeout=2.0, socket_connect_timeout=2.0
+            )
+            if redis_url
+            else None
+        )
+        self.breakers: list[Breaker] = [
+            SharedBreaker(self._redis, url, policy) if self._redis is not None else local_breaker(url, policy)
+            for url in self._urls
+        ]
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # Several small pools rather than one large one: httpcore looks through every pooled
+        # connection on each request (to drop expired ones), so a request's cost grows with the
+        # pool; spread over POOL_SHARDS clients taken in turn, each pool stays small.
+        per_shard = max(1, math.ceil(max_connections / POOL_SHARDS))
+        self._clients = [
+            httpx.AsyncClient(
+                headers=headers,
+                verify=_tls_context(),
+                timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
+                limits=httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard),
+            )
+            for _ in range(POOL_SHARDS)
+        ]
+        self._client_turn = itertools.cycle(self._clients)
+
+    @property
+    def deployments(self) -> int:
+        return len(self._urls)
+
+    async def states(self) -> list[BreakerState]:
+        """Each deployment's circuit, as every worker sees it."""
+        return [await b.state() for b in self.breakers]
+
+    async def post(self, endpoint: str, body: dict[str, Any], *, deployment: int | None = None) -> FleetReply:
+        """POST a batch line's body to the same path on a deployment (`/v1/...` under its base URL);
+        with `deployment`, on that one only."""
+        path = endpoint[len("/v1") :] if endpoint.startswith("/v1/") else endpoint
+        payload = orjson.dumps(body)
+        started = time.monotonic()
+        give_up_at = started + self._open_wait_s
+        # Deployments that refused this request's connection (or that it may not go to).
+        # Overflow deployments take only the calls sent to them by index.
+        everyone = set(range(len(self._urls)))
+        refused = everyone - set(range(self.fleet_deployments)) if deployment is None else everyone - {deployment}
+        last: FleetReply | None = None
+        while True:
+            picked, wait_s = await self._pick(skip=refused)
+            if picked is None:
+                left = give_up_at - time.monotonic()
+                if len(refused) == len(self._urls) or left <= 0:
+                    # Nothing reached the fleet: every deployment refused it or kept its circuit open.
+                    return last or self._synthetic(
+                        503, "every fleet deployment's circuit is open", started, deployment=None, sent=False
+                    )
+                # Jittered, so the waiting calls do not all ask again at the same instant.
+                await asyncio.sleep(max(0.05, min(wait_s, left, 1.0)) * random.uniform(1.0, 1.3))
+                continue
+            i, permit = picked
+            reply, connected = await self._exchange(self._urls[i], path, payload, self._auth.get(i))
+            await self._report(i, permit, reply)
+            if connected or deployment is not None:
+                return reply
+            refused.add(i)
+            last = reply
+
+    async def _pick(self, *, skip: set[int]) -> tuple[tuple[int, Permit] | None, float]:
+        """The next deployment in turn whose breaker lets a call through, else how long until one might."""
+        n = len(self._urls)
+        start = next(self._turn) % n
+        soonest = math.inf
+        for k in range(n):
+            i = (start + k) % n
+            if i in skip:
+                continue
+            permit = await self._allow(i)
+            if permit.allowed:
+                return (i, permit), 0.0
+            soonest = min(soonest, permit.retry_after_s)
+        return None, soonest
+
+    async def _allow(self, i: int) -> Permit:
+        """Ask deployment i's breaker, sharing a question already in flight: a claim launches
+        its lines at once, and each would otherwise ask Redis the same thing in the same
+        millisecond. Only a plain pass is shared (the circuit closed: it was read while this
+        call was already waiting, as if asked just before); a probe is one caller's alone, and a
+        refusal is asked again, so the half-open state still lets one call through at a time."""
+        if self._redis is None:  # a breaker in this process answers at once: nothing to share
+            return await self.breakers[i].allow()
+        shared = self._asking.get(i)
+        if shared is not None:
+            try:
+                # Shielded: a caller shed meanwhile must not cancel the question for the others.
+                permit = await asyncio.shield(shared)
+            except Exception:  # noqa: BLE001 - the asker's failure is its own; ask afresh below
+                permit = Permit(False)
+            if permit.allowed and not permit.probe:
+                return permit
+        asked = asyncio.ensure_future(self.breakers[i].allow())
+        asked.add_done_callback(_seen)  # its failure is retrieved even if every asker was shed
+        self._asking[i] = asked
+        try:
+            return await asyncio.shield(asked)
+        finally:
+            if self._asking.get(i) is asked:
+                del self._asking[i]
+
+    async def _report(self, i: int, permit: Permit, reply: FleetReply) -> None:
+        failed = reply.transient and reply.status_code >= 500
+        changed = await self.breakers[i].record(ok=not failed, probe=permit.probe)
+        if changed is BreakerState.open:
+            log.warning("fleet deployment %s: circuit opened (last reply %d)", self._urls[i], reply.status_code)
+        elif changed is BreakerState.closed:
+            log.info("fleet deployment %s: circuit closed, the probe succeeded", self._urls[i])
+
+    async def _exchange(
+        self, base: str, path: str, payload: bytes, auth: dict[str, str] | None = None
+    ) -> tuple[FleetReply, bool]:
+        """One POST to one deployment; the flag says whether a connection was made at all."""
+        started = time.monotonic()
+        client = next(self._client_turn)
+        request = client.build_request(
+            "POST", base + path, content=payload, headers={"Content-Type": "application/json", **(auth or {})}
+        )
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                resp = await client.send(request, stream=True)
+                try:
+                    body = await self._read_body(resp)
+                finally:
+                    await resp.aclose()
+        except _BodyStalled:
+            msg = f"fleet reply body stalled for {self._body_idle_s:g} s"
+            return self._synthetic(504, msg, started, deployment=base), True
+        except _ReplyTooLarge:
+            msg = f"fleet reply larger than {MAX_REPLY_BYTES} bytes"
+            return self._synthetic(502, msg, started, deployment=base, transient=False), True
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            msg = f"fleet connection error: {exc!r}"
+            return self._synthetic(503, msg, started, deployment=base, sent=False), False
+        except (TimeoutError, httpx.TimeoutException) as exc:
+            return self._synthetic(504, f"fleet timeout: {exc!r}", started, deployment=base), True
+        except httpx.TransportError as exc:
+            return self._synthetic(503, f"fleet connection error: {exc!r}", started, deployment=base), True
+        reply = FleetReply(
+            status_code=resp.status_code,
+            body=body,
+            request_id=resp.headers.get("x-request-id"),
+            latency_s=time.monotonic() - started,
+            transient=resp.status_code in RETRYABLE_STATUS,
+            deployment=base,
+        )
+        return reply, True
+
+    async def _read_body(self, resp: httpx.Response) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        stream = resp.aiter_bytes()
+        while True:
+            try:
+                async with asyncio.timeout(self._body_idle_s):
+                    chunk = await anext(stream)
+            except StopAsyncIteration:
+                return b"".join(chunks)
+            except TimeoutError as exc:
+                raise _BodyStalled from exc
+            size += len(chunk)
+            if size > MAX_REPLY_BYTES:
+                raise _ReplyTooLarge
+            chunks.append(chunk)
+
+    @staticmethod
+    def _synthetic(
+        status: int,
+        message: str,
+        started: float,
+        *,
+        deployment: str | None,
+        transient: bool = True,
+        sent: bool = True,
+    ) -> FleetReply:
+        body = orjson.dumps({"error": {"message": message, "type": "fleet_unreachable", "param": None, "code": None}})
+        return FleetReply(status, body, None, time.monotonic() - started, transient, deployment, sent)
+
+    async def aclose(self) -> None:
+        for breaker in self.breakers:
+            await breaker.flush()
+        for client in self._clients:
+            await client.aclose()
+        if self._redis is not None:
+            await self._redis.aclose()
+
+
+# Routing hints backfill adds to a batch line's body on its way to the fleet, so the fleet
+# serves it behind interactive traffic. Nothing else of the client's body is touched.
+
+
+def add_routing_hints(body: dict[str, Any], mode: str) -> dict[str, Any]:
+    """`nvext`: Dynamo's agent hints (a low priority); `vllm`: vLLM's priority (a larger value is
+    served later); anything else: the body as it is."""
+    if mode == "nvext":
+        nvext = dict(body.get("nvext") or {})
+        hints = dict(nvext.get("agent_hints") or {})
+        hints.setdefault("priority", -10)
+        nvext["agent_hints"] = hints
+        return {**body, "nvext": nvext}
+    if mode == "vllm":
+        return {**body, "priority": body.get("priority", 10)}
+    return body
