@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from alembic import context
 
+# Each import registers its tables on Base.metadata.
 import backfill.jobs.billing.models
 import backfill.jobs.models
 import backfill.jobs.webhooks.models
-import backfill.storage.leases  # noqa: F401 - registers the leases table
+import backfill.storage.leases  # noqa: F401
 from backfill.storage.db import Base, get_engine
 
 target_metadata = Base.metadata
