@@ -433,8 +433,8 @@ def prices_windows(
                 for row in window_prices(
                     session,
                     model=name,
-                    windows=settings.completion_window_seconds,
-                    multipliers=settings.price_multipliers,
+                    windows=settings.completion_windows,
+                    multipliers=settings.window_price_multipliers,
                 ):
                     rows.append(
                         {

@@ -329,8 +329,8 @@ def run_up(*, port: int, fleet_workers: int, speedup: float) -> None:
     fleet = None
     try:
         try:
-            fleet_line = s.fleet_urls
-            if not s.fleet_url_list:
+            fleet_line = ", ".join(s.fleet_urls)
+            if not s.fleet_urls:
                 from backfill.devfleet.install import default_venv_dir, is_dynamo_venv_ready
 
                 installing = "" if is_dynamo_venv_ready(default_venv_dir()) else " (installing it first, once: minutes)"

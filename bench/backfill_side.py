@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
 
     async def dispatch() -> None:
         await asyncio.sleep(max(0.0, a.t_start - time.time()))
-        fleet = FleetClient(s.fleet_url_list, timeout_s=s.fleet_timeout_s)
+        fleet = FleetClient(s.fleet_urls, timeout_s=s.fleet_timeout_s)
         while time.time() < a.t_end:
             d = Dispatcher(
                 store=get_object_store(),

@@ -112,7 +112,7 @@ def run_one(
 ) -> dict[str, Any]:
     """Replays the trace beside one batch load; returns the raw records of both sides.
     `schedule` (kind o): the oracle's lease limit per window of `window_s` from the trace's start."""
-    from backfill.scheduler.capacity.telemetry import Endpoint
+    from backfill.storage.settings import MetricsEndpoint as Endpoint
 
     salt = f"{name}{secrets.token_hex(2)}"
     duration = float(spec["duration_s"])

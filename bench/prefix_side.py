@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
         leases.release(DRAIN_POOL, slot)
 
     async def drain() -> tuple[float, int]:
-        fleet = FleetClient(s.fleet_url_list, timeout_s=s.fleet_timeout_s)
+        fleet = FleetClient(s.fleet_urls, timeout_s=s.fleet_timeout_s)
         sent = 0
         await settle()
         started = time.time()

@@ -95,7 +95,7 @@ def create_batch(
         expires_at=now + timedelta(seconds=window_s),
         price_version=current_price_version(session),  # billed at the prices in force now
         price_multiplier=quoted_multiplier(
-            completion_window, multipliers if multipliers is not None else get_settings().price_multipliers
+            completion_window, multipliers if multipliers is not None else get_settings().window_price_multipliers
         ),
     )
     session.add(batch)

@@ -13,7 +13,7 @@ from backfill.jobs.teams import team_weights
 from backfill.scheduler.capacity.admission import Admission
 from backfill.scheduler.capacity.controller import CapacityLoop, FleetCapacityLoop
 from backfill.scheduler.capacity.law import ControlConfig, Controller, Slo
-from backfill.scheduler.capacity.telemetry import Endpoint, FleetTelemetry, KvModel, parse_endpoints
+from backfill.scheduler.capacity.telemetry import FleetTelemetry, KvModel
 from backfill.scheduler.drain.escalation import (
     EscalatedRelease,
     Escalation,
@@ -37,7 +37,7 @@ def get_admission() -> Admission:
         ttl_s=s.lease_ttl_s,
         controlled=s.capacity_controlled,
         floor=s.capacity_floor,
-        deployments=max(1, len(s.fleet_url_list)),
+        deployments=max(1, len(s.fleet_urls)),
     )
 
 
@@ -137,25 +137,16 @@ def control_config(s: Settings) -> ControlConfig:
     )
 
 
-def deployment_telemetry(s: Settings) -> list[list[Endpoint]]:
-    """Each deployment's metrics endpoints, in the order of `BACKFILL_FLEET_URLS` (deployment i's
-    lease pool is `pool_of(i)`): `BACKFILL_FLEET_METRICS_URLS` lists them in that order (`;`
-    between deployments), else each deployment's frontend `/metrics` is used."""
-    if s.fleet_metrics_urls.strip():
-        return parse_endpoints(s.fleet_metrics_urls)
-    return [[Endpoint("frontend", url.removesuffix("/v1") + "/metrics")] for url in s.fleet_url_list]
-
-
 def make_capacity_loop(
     settings: Settings | None = None, leases: LeaseStore | None = None
 ) -> CapacityLoop | FleetCapacityLoop:
     """A controller per deployment, each on its own telemetry and lease pool (one deployment: a
     plain `CapacityLoop`). `BACKFILL_CAPACITY_CEILING` / `BACKFILL_MAX_INFLIGHT` bound each."""
     s = settings or get_settings()
-    deployments = deployment_telemetry(s)
+    deployments = s.fleet_metrics
     if not deployments:
         raise ValueError("capacity control needs fleet telemetry: set BACKFILL_FLEET_METRICS_URLS")
-    urls = max(1, len(s.fleet_url_list))
+    urls = max(1, len(s.fleet_urls))
     if len(deployments) != urls:
         raise ValueError(
             f"BACKFILL_FLEET_METRICS_URLS names {len(deployments)} deployments, BACKFILL_FLEET_URLS {urls}: "
@@ -173,11 +164,11 @@ def make_escalation(planner: Planner, leases: LeaseStore | None = None) -> Escal
     """A drain's escalated releases on `planner`'s view: the relaxed extra per fleet deployment,
     the overflow deployments after the fleet's (the `FleetClient` made with `overflow_urls`)."""
     s = get_settings()
-    fleet_n = max(1, len(s.fleet_url_list))
+    fleet_n = max(1, len(s.fleet_urls))
     limits = EscalationLimits(
         relaxed_extra=s.escalation_inflight,
         overflow_limit=s.overflow_max_inflight,
-        overflow_deployments=list(range(fleet_n, fleet_n + len(s.overflow_url_list))),
+        overflow_deployments=list(range(fleet_n, fleet_n + len(s.overflow_urls))),
     )
     return EscalatedRelease(
         admission=planner.admission,

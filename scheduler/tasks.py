@@ -187,11 +187,11 @@ def drain() -> int:
 
     async def run() -> int:
         fleet = FleetClient(
-            s.fleet_url_list,
+            s.fleet_urls,
             timeout_s=s.fleet_timeout_s,
             api_key=s.fleet_api_key,
             redis_url=s.redis_url,
-            overflow_urls=s.overflow_url_list,
+            overflow_urls=s.overflow_urls,
             overflow_api_key=s.overflow_api_key,
         )
         try:

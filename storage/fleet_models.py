@@ -63,5 +63,5 @@ def get_catalog() -> ModelCatalog:
     global _catalog
     if _catalog is None:
         s = get_settings()
-        _catalog = ModelCatalog(s.fleet_url_list, ttl_s=s.models_cache_s, api_key=s.fleet_api_key)
+        _catalog = ModelCatalog(s.fleet_urls, ttl_s=s.models_cache_s, api_key=s.fleet_api_key)
     return _catalog

@@ -6,50 +6,132 @@ that needs no server and the simulated fleet. Production sets the URLs explicitl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 # State of the embedded mode (database, objects, broker folders, the simulated fleet, logs):
 # under the user's home, never the working directory.
 DEFAULT_HOME = Path("~/.backfill")
 
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="BACKFILL_", env_file=".env", extra="ignore")
+def parse_urls(text: str) -> list[str]:
+    """'http://a/v1, http://b/v1/' -> ['http://a/v1', 'http://b/v1']."""
+    return [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
+
+
+METRICS_ROLES = ("frontend", "agg", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class MetricsEndpoint:
+    """One Prometheus endpoint of a fleet deployment: its frontend, or a worker of a role."""
+
+    role: str  # "frontend" | "agg" | "prefill" | "decode"
+    url: str
+
+
+def parse_metrics_endpoints(spec: str) -> list[list[MetricsEndpoint]]:
+    """`role=url,role=url;role=url,...`: deployments separated by `;`, endpoints by `,`.
+
+    A bare URL (no `role=`) is taken as a frontend."""
+    deployments: list[list[MetricsEndpoint]] = []
+    for chunk in spec.split(";"):
+        eps = []
+        for item in chunk.split(","):
+            item = item.strip()
+            if not item:
+                continue
+            role, sep, url = item.partition("=")
+            if not sep:
+                role, url = "frontend", item
+            role = role.strip().lower()
+            if role not in METRICS_ROLES:
+                raise ValueError(f"unknown metrics endpoint role {role!r} in {item!r}")
+            eps.append(MetricsEndpoint(role, url.strip()))
+        if eps:
+            deployments.append(eps)
+    return deployments
+
+
+_CONFIG = SettingsConfigDict(env_prefix="BACKFILL_", env_file=".env", extra="ignore")
+
+
+class Core(BaseSettings):
+    """Where state lives: the embedded defaults, or the production services."""
+
+    model_config = _CONFIG
 
     # "production" unless said otherwise: a deployment that forgets to set it must not accept
     # the well-known development keys. `backfill up` (the embedded mode) sets "development".
     environment: str = "production"
     home: Path = DEFAULT_HOME
-
     database_url: str = ""
     broker_url: str = ""
     # Redis for capacity leases and the control loop's shared state; empty = database leases.
     redis_url: str = ""
-
     s3_endpoint_url: str = ""
     s3_bucket: str = "backfill"
     s3_access_key: str = ""
     s3_secret_key: str = ""
     s3_region: str = "us-east-1"
+    # Prometheus multiprocess files of every backfill process on this host (empty: HOME/metrics);
+    # the API's /metrics adds up what the API, worker and scheduler processes wrote there.
+    metrics_dir: str = ""
+
+
+class FleetSettings(BaseSettings):
+    """The fleet: its deployments, how batch lines are sent, its telemetry."""
+
+    model_config = _CONFIG
 
     # Comma-separated OpenAI-compatible base URLs of the fleet (e.g. a Dynamo frontend).
-    fleet_urls: str = ""
+    fleet_urls: Annotated[list[str], NoDecode] = []
     fleet_api_key: str = ""
     fleet_timeout_s: float = 600.0
     # Deprecated name of max_attempts, honoured when max_attempts is not set.
     fleet_max_retries: int = 6
     models_cache_s: float = 30.0
+    # How batch requests are marked lowest priority for the fleet: nvext (Dynamo), vllm, none.
+    fleet_priority_hint: str = "nvext"
+    # Capacity controller (runs in the scheduler process when capacity_control is on).
+    # Prometheus endpoints of the fleet: `role=url` items, role frontend|agg|prefill|decode,
+    # deployments separated by `;`. Empty: the frontend's /metrics beside each fleet URL.
+    fleet_metrics_urls: Annotated[list[list[MetricsEndpoint]], NoDecode] = []
+
+    @field_validator("fleet_urls", mode="before")
+    @classmethod
+    def _fleet_urls(cls, v: Any) -> Any:
+        return parse_urls(v) if isinstance(v, str) else v
+
+    @field_validator("fleet_metrics_urls", mode="before")
+    @classmethod
+    def _metrics_urls(cls, v: Any) -> Any:
+        return parse_metrics_endpoints(v) if isinstance(v, str) else v
+
+    @property
+    def fleet_metrics(self) -> list[list[MetricsEndpoint]]:
+        """Each deployment's metrics endpoints, in the order of `fleet_urls` (deployment i's lease
+        pool is i): as `BACKFILL_FLEET_METRICS_URLS` lists them (`;` between deployments), else
+        each deployment's frontend `/metrics` beside its URL."""
+        if self.fleet_metrics_urls:
+            return self.fleet_metrics_urls
+        return [[MetricsEndpoint("frontend", url.removesuffix("/v1") + "/metrics")] for url in self.fleet_urls]
+
+
+class SecuritySettings(BaseSettings):
+    """Who may call, how often, and where the service may connect on a user's behalf."""
+
+    model_config = _CONFIG
 
     # The one configured key of each kind: setting a new value revokes the previous one.
     bootstrap_api_key: str = ""
     admin_api_key: str = ""
-
     # Per-key request rate on the API ("600/minute", "10/second"; "off" disables), counted in
     # Redis when redis_url is set (shared by every API process), in memory otherwise.
     rate_limit: str = "600/minute"
@@ -61,6 +143,24 @@ class Settings(BaseSettings):
     # failed-auth limit, the access log) sees each client's own address, not the proxy's. Empty:
     # uvicorn's default (loopback only, or its FORWARDED_ALLOW_IPS variable).
     forwarded_allow_ips: str = ""
+    # Bearer token /metrics asks for (empty: open, for a scraper on a private network).
+    metrics_token: str = ""
+    # Webhook targets allowed although not public (comma-separated host names, addresses or
+    # CIDRs, e.g. "hooks.internal,10.20.0.0/16"): in production a webhook may otherwise only go
+    # to public addresses; outside production loopback is allowed too (jobs.webhooks.targets).
+    webhook_allowed_hosts: Annotated[list[str], NoDecode] = []
+
+    @field_validator("webhook_allowed_hosts", mode="before")
+    @classmethod
+    def _allowed_hosts(cls, v: Any) -> Any:
+        return [h.strip() for h in v.split(",") if h.strip()] if isinstance(v, str) else v
+
+
+class LimitSettings(BaseSettings):
+    """What one request, upload, file or batch may take."""
+
+    model_config = _CONFIG
+
     # Uploads held open at once (each holds a store writer): beyond these, 429 + Retry-After.
     max_concurrent_uploads: int = 8
     max_concurrent_uploads_per_key: int = 4
@@ -68,19 +168,43 @@ class Settings(BaseSettings):
     max_partial_downloads_per_key: int = 2
     # An upload that sends nothing for this long is dropped (408).
     upload_idle_timeout_s: float = 60.0
-
     max_file_bytes: int = 200 * 1024 * 1024
     max_requests_per_batch: int = 50_000
     max_line_bytes: int = 10 * 1024 * 1024
     max_reported_errors: int = 100
     # Processes that validate one large input file (past 32 MB) together; 0: one per CPU, up to 8.
     validation_processes: int = 0
+    file_expiry_default_s: int = 30 * 24 * 3600
+
+
+class WindowSettings(BaseSettings):
+    """Completion windows a batch may ask for and what each costs."""
+
+    model_config = _CONFIG
+
     # The completion windows a batch may ask for (units s, m, h, d); OpenAI's 24h is always in.
-    completion_windows: str = "1h,4h,24h,72h,7d"
+    completion_windows: Annotated[dict[str, int], NoDecode] = Field(default="1h,4h,24h,72h,7d", validate_default=True)
     # What a window costs against a model's general price when it has no price of its own
     # (`prices set --window`): its rates times this; a window not listed costs 1x.
-    window_price_multipliers: str = "1h=2.0,4h=1.5,24h=1.0,72h=0.8,7d=0.6"
-    file_expiry_default_s: int = 30 * 24 * 3600
+    window_price_multipliers: Annotated[dict[str, Decimal], NoDecode] = Field(
+        default="1h=2.0,4h=1.5,24h=1.0,72h=0.8,7d=0.6", validate_default=True
+    )
+
+    @field_validator("completion_windows", mode="before")
+    @classmethod
+    def _windows(cls, v: Any) -> Any:
+        return parse_windows(v) if isinstance(v, str) else v
+
+    @field_validator("window_price_multipliers", mode="before")
+    @classmethod
+    def _multipliers(cls, v: Any) -> Any:
+        return parse_multipliers(v) if isinstance(v, str) else v
+
+
+class CapacitySettings(BaseSettings):
+    """How much of the fleet batch work may hold: the fixed bound and the capacity controller."""
+
+    model_config = _CONFIG
 
     # Fixed admission bound, used until the capacity controller publishes a limit.
     max_inflight: int = 64
@@ -90,8 +214,28 @@ class Settings(BaseSettings):
     # telemetry; `off`: the fixed bound by choice. true/false are read as on/off.
     capacity_control: Literal["auto", "on", "off"] = "auto"
     capacity_floor: int = 0
-    # How batch requests are marked lowest priority for the fleet: nvext (Dynamo), vllm, none.
-    fleet_priority_hint: str = "nvext"
+    # The interactive SLO the controller protects: time to first token, mean inter-token latency.
+    slo_ttft_s: float = 1.0
+    slo_itl_s: float = 0.05
+    control_period_s: float = 0.25
+    # Upper bound of the published limit (0: max_inflight).
+    capacity_ceiling: int = 0
+    # KV cache model of a decoder: bytes per token of the cache format (576 FP8 MLA, 352 NVFP4)
+    # and the cache's byte budget; 0 takes the capacity the frontend reports.
+    kv_bytes_per_token: int = 0
+    kv_budget_bytes: int = 0
+    # With no interactive request in flight, the latency target may stretch to this multiple
+    # of the SLO (the first interactive arrival sheds back); 1.0 keeps the SLO target always.
+    capacity_idle_target: float = 1.0
+    # Share of releases guaranteed to batches forecast to miss their completion window.
+    deadline_guaranteed_share: float = 0.5
+
+
+class DrainSettings(BaseSettings):
+    """The scheduler loop and the drains: leases, ticks, attempts, stopping."""
+
+    model_config = _CONFIG
+
     # Concurrent drain loops kept alive across all workers (each holds many requests in flight).
     drains: int = 2
     lease_ttl_s: float = 15.0
@@ -114,39 +258,12 @@ class Settings(BaseSettings):
     # lines, is resumed by the scheduler's reconciler (which logs what it did).
     stall_after_s: float = 30.0
 
-    # Retention (run by the scheduler loop every retention_interval_s): objects without a file
-    # row are removed after orphan_grace_s; response bodies leave the database this long after
-    # their batch's result files were written (< 0 keeps them).
-    retention_interval_s: float = 60.0
-    orphan_grace_s: float = 3600.0
-    result_body_retention_s: float = 3600.0
 
-    # Prometheus multiprocess files of every backfill process on this host (empty: HOME/metrics);
-    # the API's /metrics adds up what the API, worker and scheduler processes wrote there.
-    metrics_dir: str = ""
-    # Bearer token /metrics asks for (empty: open, for a scraper on a private network).
-    metrics_token: str = ""
-    # Webhook targets allowed although not public (comma-separated host names, addresses or
-    # CIDRs, e.g. "hooks.internal,10.20.0.0/16"): in production a webhook may otherwise only go
-    # to public addresses; outside production loopback is allowed too (jobs.webhooks.targets).
-    webhook_allowed_hosts: str = ""
+class EscalationSettings(BaseSettings):
+    """What a batch about to miss its window gets: extra slots, then the overflow deployments."""
 
-    # Capacity controller (runs in the scheduler process when capacity_control is on).
-    # Prometheus endpoints of the fleet: `role=url` items, role frontend|agg|prefill|decode,
-    # deployments separated by `;`. Empty: the frontend's /metrics beside each fleet URL.
-    fleet_metrics_urls: str = ""
-    # The interactive SLO the controller protects: time to first token, mean inter-token latency.
-    slo_ttft_s: float = 1.0
-    slo_itl_s: float = 0.05
-    control_period_s: float = 0.25
-    # Upper bound of the published limit (0: max_inflight).
-    capacity_ceiling: int = 0
-    # KV cache model of a decoder: bytes per token of the cache format (576 FP8 MLA, 352 NVFP4)
-    # and the cache's byte budget; 0 takes the capacity the frontend reports.
-    kv_bytes_per_token: int = 0
-    kv_budget_bytes: int = 0
-    # Share of releases guaranteed to batches forecast to miss their completion window.
-    deadline_guaranteed_share: float = 0.5
+    model_config = _CONFIG
+
     # Escalation (scheduler.drain.escalation): a batch whose forecast finish passes its deadline minus
     # escalation_margin x its window may take escalation_inflight leases per deployment beyond
     # the controller's limit (a bounded part of the interactive SLO budget, for its lines only);
@@ -155,13 +272,44 @@ class Settings(BaseSettings):
     # each), and every line left in the last overflow_margin x its window does.
     escalation_margin: float = 0.2
     escalation_inflight: int = 8
-    overflow_urls: str = ""
+    overflow_urls: Annotated[list[str], NoDecode] = []
     overflow_api_key: str = ""
     overflow_max_inflight: int = 32
     overflow_margin: float = 0.1
-    # With no interactive request in flight, the latency target may stretch to this multiple
-    # of the SLO (the first interactive arrival sheds back); 1.0 keeps the SLO target always.
-    capacity_idle_target: float = 1.0
+
+    @field_validator("overflow_urls", mode="before")
+    @classmethod
+    def _overflow_urls(cls, v: Any) -> Any:
+        return parse_urls(v) if isinstance(v, str) else v
+
+
+class RetentionSettings(BaseSettings):
+    """What backfill keeps, and for how long."""
+
+    model_config = _CONFIG
+
+    # Retention (run by the scheduler loop every retention_interval_s): objects without a file
+    # row are removed after orphan_grace_s; response bodies leave the database this long after
+    # their batch's result files were written (< 0 keeps them).
+    retention_interval_s: float = 60.0
+    orphan_grace_s: float = 3600.0
+    result_body_retention_s: float = 3600.0
+
+
+class Settings(
+    RetentionSettings,
+    EscalationSettings,
+    DrainSettings,
+    CapacitySettings,
+    WindowSettings,
+    LimitSettings,
+    SecuritySettings,
+    FleetSettings,
+    Core,
+):
+    """Every setting, parsed and checked once when the process starts (`get_settings`)."""
+
+    model_config = _CONFIG
 
     @model_validator(mode="after")
     def _attempts_from_deprecated_name(self) -> Settings:
@@ -206,42 +354,6 @@ class Settings(BaseSettings):
     @property
     def objects_dir(self) -> Path:
         return self.home / "objects"
-
-    @property
-    def fleet_url_list(self) -> list[str]:
-        return [u.strip().rstrip("/") for u in self.fleet_urls.split(",") if u.strip()]
-
-    @property
-    def overflow_url_list(self) -> list[str]:
-        return [u.strip().rstrip("/") for u in self.overflow_urls.split(",") if u.strip()]
-
-    @property
-    def fleet_metrics_spec(self) -> str:
-        if self.fleet_metrics_urls.strip():
-            return self.fleet_metrics_urls
-        origins = {u.removesuffix("/v1") for u in self.fleet_url_list}
-        return ";".join(f"frontend={o}/metrics" for o in sorted(origins))
-
-    @field_validator("completion_windows")
-    @classmethod
-    def _windows_parse(cls, v: str) -> str:
-        parse_windows(v)  # a malformed set stops start-up
-        return v
-
-    @field_validator("window_price_multipliers")
-    @classmethod
-    def _multipliers_parse(cls, v: str) -> str:
-        parse_multipliers(v)
-        return v
-
-    @property
-    def completion_window_seconds(self) -> dict[str, int]:
-        """The accepted windows and their lengths, shortest first."""
-        return parse_windows(self.completion_windows)
-
-    @property
-    def price_multipliers(self) -> dict[str, Decimal]:
-        return parse_multipliers(self.window_price_multipliers)
 
     def check_production(self) -> None:
         """Refuse well-known development secrets outside development."""

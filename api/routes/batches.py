@@ -24,7 +24,7 @@ def _accepted_windows(schema: dict[str, Any]) -> None:
     # The document lists the configured set (read when it is generated, at the app's first
     # /openapi.json); the value stays a plain string to the parser, so that an unknown window is
     # refused by `jobs.billing.windows.check_window` with OpenAI's 400, not by the schema with a 422.
-    schema["enum"] = list(get_settings().completion_window_seconds)
+    schema["enum"] = list(get_settings().completion_windows)
 
 
 class CreateBatchBody(BaseModel):
@@ -58,7 +58,7 @@ def create_batch(body: CreateBatchBody, principal: CurrentPrincipal, session: Db
         input_file_id=file_id_in(body.input_file_id, param="input_file_id"),
         endpoint=body.endpoint,
         completion_window=body.completion_window,
-        windows=get_settings().completion_window_seconds,
+        windows=get_settings().completion_windows,
         metadata=body.metadata,
         output_expires_after=body.output_expires_after,
         api_key_id=principal.key_id,

@@ -183,16 +183,10 @@ def released_limit(settings: Settings, published: str | None) -> int:
     return int(published) if published is not None and published.isdigit() else settings.capacity_floor
 
 
-def frontend_metrics_urls(spec: str) -> list[str]:
-    """The frontends of `fleet_metrics_urls` (`role=url,...;...`; a bare URL is a frontend)."""
-    urls = []
-    for item in spec.replace(";", ",").split(","):
-        role, sep, url = item.strip().partition("=")
-        if not sep:
-            role, url = "frontend", item.strip()
-        if role.strip().lower() == "frontend" and url.strip():
-            urls.append(url.strip())
-    return urls
+def frontend_metrics_urls(settings: Settings) -> list[str]:
+    """The fleet's frontends' metrics URLs, each once."""
+    urls = [ep.url for deployment in settings.fleet_metrics for ep in deployment if ep.role == "frontend"]
+    return list(dict.fromkeys(urls))
 
 
 def _inflight_of(text: str) -> float:
@@ -243,7 +237,7 @@ def _sample(settings: Settings) -> FleetLoad:
         limit = released_limit(settings, published)
     except (redis.RedisError, SQLAlchemyError, OSError):
         held = limit = None  # the store is unreachable: the sample says so, the page shows a gap
-    fleet = fleet_inflight(frontend_metrics_urls(settings.fleet_metrics_spec))
+    fleet = fleet_inflight(frontend_metrics_urls(settings))
     return FleetLoad(
         object="dashboard.fleet_load",
         at=time.time(),

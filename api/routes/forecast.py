@@ -73,13 +73,13 @@ def batch_price(
     object then carries the general row's id and null window, with the multiplied amounts). 404
     (`price_not_found`) when none is in force: such a batch's usage would be recorded at zero cost."""
     settings = get_settings()
-    seconds = windows.check_window(completion_window, settings.completion_window_seconds)
+    seconds = windows.check_window(completion_window, settings.completion_windows)
     priced = windows.window_price(
         session,
         model=model,
         completion_window=completion_window,
         seconds=seconds,
-        multipliers=settings.price_multipliers,
+        multipliers=settings.window_price_multipliers,
     )
     if priced is None:
         raise _no_price(model, completion_window)
@@ -102,7 +102,7 @@ def batch_prices(
     when no window has one."""
     settings = get_settings()
     table = windows.window_prices(
-        session, model=model, windows=settings.completion_window_seconds, multipliers=settings.price_multipliers
+        session, model=model, windows=settings.completion_windows, multipliers=settings.window_price_multipliers
     )
     if not table:
         raise _no_price(model)

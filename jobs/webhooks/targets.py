@@ -144,7 +144,7 @@ class TargetPolicy:
     @classmethod
     def from_settings(cls, settings: Settings | None = None) -> TargetPolicy:
         s = settings or get_settings()
-        return cls.of(s.webhook_allowed_hosts.split(","), allow_loopback=s.environment != "production")
+        return cls.of(s.webhook_allowed_hosts, allow_loopback=s.environment != "production")
 
     @classmethod
     def of(cls, entries: Iterable[str], *, allow_loopback: bool = False) -> TargetPolicy:

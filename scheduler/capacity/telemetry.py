@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from backfill.storage.settings import MetricsEndpoint
+
 ROLES = ("agg", "prefill", "decode")
 
 # Worker (vLLM / Dynamo mocker) series.
@@ -111,35 +113,6 @@ def _total(samples: dict[str, list[tuple[str, float]]], name: str) -> float | No
 def _max(samples: dict[str, list[tuple[str, float]]], name: str) -> float | None:
     values = samples.get(name)
     return max(v for _, v in values) if values else None
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    role: str  # "frontend" | "agg" | "prefill" | "decode"
-    url: str
-
-
-def parse_endpoints(spec: str) -> list[list[Endpoint]]:
-    """`role=url,role=url;role=url,...`: deployments separated by `;`, endpoints by `,`.
-
-    A bare URL (no `role=`) is taken as a frontend."""
-    deployments: list[list[Endpoint]] = []
-    for chunk in spec.split(";"):
-        eps = []
-        for item in chunk.split(","):
-            item = item.strip()
-            if not item:
-                continue
-            role, sep, url = item.partition("=")
-            if not sep:
-                role, url = "frontend", item
-            role = role.strip().lower()
-            if role not in ("frontend", *ROLES):
-                raise ValueError(f"unknown metrics endpoint role {role!r} in {item!r}")
-            eps.append(Endpoint(role, url.strip()))
-        if eps:
-            deployments.append(eps)
-    return deployments
 
 
 @dataclass(frozen=True)
@@ -261,7 +234,7 @@ class _Counter:
 class FleetTelemetry:
     """Scrapes one deployment. Not thread-safe: one controller owns one instance."""
 
-    endpoints: list[Endpoint]
+    endpoints: list[MetricsEndpoint]
     timeout_s: float = 0.5
     _client: httpx.Client | None = None
     _windows: dict[tuple[str, str], _Counter] = field(default_factory=dict)
@@ -324,7 +297,7 @@ class FleetTelemetry:
             stream_arrivals=0 if prev_started is None else max(0, int(started - prev_started)),
         )
 
-    def _worker(self, ep: Endpoint, text: str) -> WorkerStats:
+    def _worker(self, ep: MetricsEndpoint, text: str) -> WorkerStats:
         s = parse_prometheus(text, _WORKER_NAMES)
         itl, itl_n = self._window(ep.url, W_ITL, s)
         ttft, ttft_n = self._window(ep.url, W_TTFT, s)

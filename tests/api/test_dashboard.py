@@ -100,7 +100,8 @@ def test_released_limit_follows_admission() -> None:
 
 def test_frontend_metrics_are_found_and_summed() -> None:
     spec = "frontend=http://a:8000/metrics,decode=http://a:9091/metrics;http://b:8000/metrics"
-    assert dashboard.frontend_metrics_urls(spec) == ["http://a:8000/metrics", "http://b:8000/metrics"]
+    settings = Settings(fleet_metrics_urls=spec)
+    assert dashboard.frontend_metrics_urls(settings) == ["http://a:8000/metrics", "http://b:8000/metrics"]
     text = (
         "# TYPE dynamo_frontend_inflight_requests gauge\n"
         'dynamo_frontend_inflight_requests{model="a"} 3\n'

@@ -37,8 +37,8 @@ def test_baseline_is_todays_policy_and_escalating_adds_only_the_escalation() -> 
     assert differs == {"BACKFILL_ESCALATION_INFLIGHT", "BACKFILL_OVERFLOW_URLS"}
     # The settings a stack starts with parse, with the compressed windows configured.
     s = Settings(**{k.removeprefix("BACKFILL_").lower(): v for k, v in esc.items()})
-    assert s.capacity_controlled and s.overflow_url_list == ["http://127.0.0.1:3/v1"]
-    assert s.completion_window_seconds["60s"] == 60 and s.completion_window_seconds["180s"] == 180
+    assert s.capacity_controlled and s.overflow_urls == ["http://127.0.0.1:3/v1"]
+    assert s.completion_windows["60s"] == 60 and s.completion_windows["180s"] == 180
 
 
 def test_the_run_outlasts_every_window_under_a_steady_load() -> None:

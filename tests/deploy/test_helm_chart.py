@@ -223,11 +223,9 @@ def test_each_service_has_the_production_settings(rendered: Rendered, component:
     assert s.broker_url, "no BACKFILL_BROKER_URL: the app would use a broker folder in the pod"
     assert s.s3_endpoint_url, "no BACKFILL_S3_ENDPOINT_URL: the app would keep objects on the pod's disk"
     assert s.s3_bucket
-    assert s.fleet_url_list, "no BACKFILL_FLEET_URLS"
+    assert s.fleet_urls, "no BACKFILL_FLEET_URLS"
     if s.fleet_metrics_urls:
-        from backfill.scheduler.capacity.telemetry import parse_endpoints
-
-        assert len(parse_endpoints(s.fleet_metrics_spec)) == len(s.fleet_url_list)
+        assert len(s.fleet_metrics) == len(s.fleet_urls)
     s.check_production()  # configured keys are not development secrets
     # The metrics directory is a writable volume, not the read-only root filesystem.
     mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}

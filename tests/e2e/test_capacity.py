@@ -25,8 +25,9 @@ from backfill.devfleet.services import create_database, drop_database
 from backfill.scheduler.capacity.admission import LIMIT_KEY, POOL, Admission
 from backfill.scheduler.capacity.controller import CapacityLoop
 from backfill.scheduler.capacity.law import ControlConfig, Controller, Decision, Slo
-from backfill.scheduler.capacity.telemetry import Endpoint, FleetTelemetry
+from backfill.scheduler.capacity.telemetry import FleetTelemetry
 from backfill.storage.leases import RedisLeaseStore
+from backfill.storage.settings import MetricsEndpoint as Endpoint
 from tests.conftest import PG_ADMIN_URL, ROOT
 
 pytestmark = pytest.mark.e2e

@@ -81,7 +81,7 @@ def test_a_batch_is_billed_at_its_windows_price(db: sessionmaker[Session], multi
         for window in ("1h", "4h", "24h", "7d"):
             batch = make_batch(s, team, lines=1)
             batch.completion_window = window
-            batch.price_multiplier = quoted_multiplier(window, get_settings().price_multipliers)
+            batch.price_multiplier = quoted_multiplier(window, get_settings().window_price_multipliers)
             batches[window] = batch.id
     with db.begin() as s:
         for window, batch_id in batches.items():

@@ -6,16 +6,15 @@ from typing import Any
 
 from backfill.scheduler.capacity.law import ControlConfig, Controller, ObsDelta, Slo
 from backfill.scheduler.capacity.telemetry import (
-    Endpoint,
     FleetSnapshot,
     FrontendStats,
     KvModel,
     WorkerStats,
     _Counter,
-    parse_endpoints,
     parse_prometheus,
 )
 from backfill.scheduler.drain.shedding import shed_count
+from backfill.storage.settings import MetricsEndpoint, parse_metrics_endpoints
 
 SLO = Slo(ttft_s=0.2, itl_s=0.020)
 
@@ -226,10 +225,10 @@ def test_histograms_become_window_means() -> None:
 
 
 def test_endpoint_specs() -> None:
-    deps = parse_endpoints("frontend=http://f/metrics,agg=http://a/metrics;http://g/metrics")
+    deps = parse_metrics_endpoints("frontend=http://f/metrics,agg=http://a/metrics;http://g/metrics")
     assert deps == [
-        [Endpoint("frontend", "http://f/metrics"), Endpoint("agg", "http://a/metrics")],
-        [Endpoint("frontend", "http://g/metrics")],
+        [MetricsEndpoint("frontend", "http://f/metrics"), MetricsEndpoint("agg", "http://a/metrics")],
+        [MetricsEndpoint("frontend", "http://g/metrics")],
     ]
 
 

@@ -19,12 +19,13 @@ from backfill.jobs.models import Batch, BatchRequest, BatchStatus, RequestState,
 from backfill.scheduler.capacity.admission import LIMIT_KEY, Admission
 from backfill.scheduler.capacity.controller import CapacityLoop
 from backfill.scheduler.capacity.law import ControlConfig, Controller, Slo
-from backfill.scheduler.capacity.telemetry import FleetTelemetry, parse_endpoints
+from backfill.scheduler.capacity.telemetry import FleetTelemetry
 from backfill.scheduler.drain.dispatcher import Dispatcher
 from backfill.scheduler.fleet.client import FleetClient
 from backfill.storage.db import unit_of_work
 from backfill.storage.leases import RedisLeaseStore
 from backfill.storage.objects import get_object_store
+from backfill.storage.settings import parse_metrics_endpoints
 from tests.scheduler.test_reclaim import lines_of
 from tests.scheduler.test_reclaim import scratch_db as scratch_db  # the fixture
 
@@ -138,7 +139,7 @@ def test_a_drain_told_to_stop_before_it_starts_takes_nothing(scratch_db: str, fl
 def test_a_stopping_controller_withdraws_its_limit(redis_url: str) -> None:
     leases = RedisLeaseStore(redis_url, namespace=f"sd-{secrets.token_hex(4)}")
     # No telemetry (nothing listens there): the controller publishes its floor.
-    telemetry = FleetTelemetry(parse_endpoints("frontend=http://127.0.0.1:1/metrics")[0])
+    telemetry = FleetTelemetry(parse_metrics_endpoints("frontend=http://127.0.0.1:1/metrics")[0])
     loop = CapacityLoop(
         Controller(ControlConfig(slo=Slo(ttft_s=1.0, itl_s=0.05), floor=2, period_s=0.25)), telemetry, leases
     )

@@ -21,17 +21,17 @@ def _defaults(monkeypatch: pytest.MonkeyPatch) -> Settings:
 
 def test_the_default_set_and_its_prices(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = _defaults(monkeypatch)
-    assert settings.completion_window_seconds == {
+    assert settings.completion_windows == {
         "1h": HOUR,
         "4h": 4 * HOUR,
         "24h": DAY,
         "72h": 3 * DAY,
         "7d": 7 * DAY,
     }
-    multipliers = settings.price_multipliers
+    multipliers = settings.window_price_multipliers
     assert multipliers == {"1h": 2, "4h": Decimal("1.5"), "24h": 1, "72h": Decimal("0.8"), "7d": Decimal("0.6")}
     # Shorter windows cost more.
-    ordered = [multipliers[w] for w in settings.completion_window_seconds]
+    ordered = [multipliers[w] for w in settings.completion_windows]
     assert ordered == sorted(ordered, reverse=True)
 
 
