@@ -289,7 +289,10 @@ def estimate(
     completion at the fleet's recent batch throughput; create nothing. Exits 1 if any line is invalid.
     """
     from backfill.batch_estimate import add_cost, add_forecast, estimate_file, report_lines
+    from backfill.jobs.endpoints import BATCH_ENDPOINTS
 
+    if endpoint not in BATCH_ENDPOINTS:
+        raise typer.BadParameter(f"{endpoint!r}: backfill serves {', '.join(BATCH_ENDPOINTS)}", param_hint="--endpoint")
     client = _client(base_url, api_key)
     served = {m.id for m in client.models.list()}
     result = estimate_file(file, endpoint=endpoint, served_models=served)

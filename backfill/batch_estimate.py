@@ -19,6 +19,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
+from backfill.jobs.endpoints import batch_endpoint
 from backfill.jobs.errors import BatchError
 from backfill.jobs.validation.input_lines import iter_lines
 from backfill.jobs.validation.lines import max_output_tokens
@@ -101,6 +102,7 @@ def estimate_file(path: Path, *, endpoint: str, served_models: set[str] | None) 
     # The validation's per-request estimate is prompt + max output; the split needs the bodies'
     # max tokens, read in a second pass over the lines that validated.
     valid_lines = {r["line"] for r in result.requests}
+    produces_output = batch_endpoint(endpoint).produces_output
     lines = 0
     max_output = 0
     with path.open("rb") as fh:
@@ -108,7 +110,7 @@ def estimate_file(path: Path, *, endpoint: str, served_models: set[str] | None) 
             if not raw.strip():
                 continue
             lines += 1
-            if number in valid_lines and endpoint != "/v1/embeddings":
+            if number in valid_lines and produces_output:
                 max_output += max_output_tokens(orjson.loads(raw)["body"])
     return Estimate(
         lines=lines,

@@ -12,12 +12,12 @@ from sqlalchemy.orm import Session
 
 from backfill.jobs.billing.ledger import current_price_version, quoted_multiplier
 from backfill.jobs.billing.windows import check_window
+from backfill.jobs.endpoints import BATCH_ENDPOINTS
 from backfill.jobs.errors import Conflict, InvalidRequest, NotFound
 from backfill.jobs.files import get_file, validate_expiry
 from backfill.jobs.models import Batch, BatchStatus, utcnow
 from backfill.storage.settings import get_settings
 
-BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/moderations")
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 

@@ -14,8 +14,9 @@ from typing import Any
 
 import orjson
 
+from backfill.jobs.endpoints import batch_endpoint
+
 MAX_EXPANDED_N = 128  # OpenAI's own bound on n; a larger n goes to the fleet as it is
-EXPANDABLE = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
 def split_n(endpoint: str, body: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -25,7 +26,8 @@ def split_n(endpoint: str, body: dict[str, Any]) -> list[dict[str, Any]] | None:
     samples, where the client asked for n different (and still reproducible) ones.
     """
     n = body.get("n")
-    if endpoint not in EXPANDABLE or type(n) is not int or not 1 < n <= MAX_EXPANDED_N:
+    kind = batch_endpoint(endpoint)
+    if not kind.expands_n or type(n) is not int or not 1 < n <= MAX_EXPANDED_N:
         return None
     one = {k: v for k, v in body.items() if k != "n"}
     seed = body.get("seed")

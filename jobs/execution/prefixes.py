@@ -38,6 +38,8 @@ from hashlib import blake2b
 from pathlib import Path
 from typing import Any, Protocol
 
+from backfill.jobs.endpoints import batch_endpoint
+
 BLOCK_TOKENS = 64  # vLLM's default KV block on GPUs; the Dynamo mocker's too
 MAX_BLOCKS = 128  # fingerprint the first 8192 tokens; deeper sharing hardly changes the order
 FINGERPRINT_BYTES = 4  # per block in a path: a collision only reorders, it never loses a line
@@ -125,12 +127,13 @@ class TokenizerBlocks:
     def _tokens(self, endpoint: str, body: dict[str, Any]) -> tuple[Sequence[int], int] | None:
         """The prompt's leading tokens (whole blocks of them where the text was cut) and its
         length in tokens (estimated past the cut)."""
-        if endpoint == "/v1/chat/completions":
+        kind = batch_endpoint(endpoint)
+        if kind.prompt_key == "messages":
             if self.render is None or not isinstance(body.get("messages"), list):
                 return None
             text = self.render(body)
         else:
-            value = body.get("input" if endpoint in ("/v1/embeddings", "/v1/responses") else "prompt")
+            value = body.get(kind.prompt_key)
             if isinstance(value, list) and value and all(type(t) is int and 0 <= t < 2**32 for t in value):
                 return value, len(value)  # already tokens
             if not isinstance(value, str):

@@ -7,15 +7,13 @@ from collections.abc import Callable
 
 import orjson
 
+from backfill.jobs.endpoints import batch_endpoint
 from backfill.jobs.validation.lines import (
     CUSTOM_ID_MAX_CHARS,
     DEFAULT_MAX_OUTPUT_ESTIMATE,
-    INPUT_ENDPOINTS,
     INT32_MAX,
     MAX_BODY_DEPTH,
     MODEL_MAX_CHARS,
-    MODEL_OPTIONAL_ENDPOINTS,
-    NO_OUTPUT_ENDPOINTS,
     FastRequest,
     SeenIds,
 )
@@ -34,10 +32,11 @@ def line_checker(endpoint: str, seen_ids: SeenIds) -> Callable[[bytes, int], Fas
     loads, dumps, encode_error = orjson.loads, orjson.dumps, orjson.JSONEncodeError
     ids, id_lines = seen_ids.ids, seen_ids.lines
     add_line = id_lines.append
-    chat = endpoint == "/v1/chat/completions"
-    no_output = endpoint in NO_OUTPUT_ENDPOINTS
-    model_optional = endpoint in MODEL_OPTIONAL_ENDPOINTS
-    prompt_key = "input" if endpoint in INPUT_ENDPOINTS else "prompt"
+    kind = batch_endpoint(endpoint)
+    chat = kind.prompt_key == "messages"
+    no_output = not kind.produces_output
+    model_optional = kind.model_optional
+    prompt_key = kind.prompt_key
     int32_max, id_max, model_max, max_depth = INT32_MAX, CUSTOM_ID_MAX_CHARS, MODEL_MAX_CHARS, MAX_BODY_DEPTH
     default_output = DEFAULT_MAX_OUTPUT_ESTIMATE
 

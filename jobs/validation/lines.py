@@ -16,6 +16,8 @@ from typing import Any
 
 import orjson
 
+from backfill.jobs.endpoints import batch_endpoint
+
 # Column bounds (jobs/models.py): Integer for a request's line, length and token estimate,
 # BigInteger for a batch's token estimate, String(512) custom_id, String(256) model.
 INT32_MAX = 2**31 - 1
@@ -26,12 +28,6 @@ QUOTE_CHARS = 100
 DEFAULT_MAX_OUTPUT_ESTIMATE = 1024
 # orjson re-encodes at most this many levels, and the dispatcher re-encodes every body it sends.
 MAX_BODY_DEPTH = 254
-# What an endpoint's body holds, where the endpoints differ: the prompt is `input` (else
-# `prompt`, or chat's `messages`); nothing is generated (the estimate is the input's alone); the
-# model may be left out (the server's default: OpenAI's moderations take one).
-INPUT_ENDPOINTS = ("/v1/embeddings", "/v1/responses", "/v1/moderations")
-NO_OUTPUT_ENDPOINTS = ("/v1/embeddings", "/v1/moderations")
-MODEL_OPTIONAL_ENDPOINTS = ("/v1/moderations",)
 OUTPUT_LIMIT_KEYS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 COUNT_KEYS = (*OUTPUT_LIMIT_KEYS, "n")
 
@@ -121,11 +117,12 @@ def check_line(
         return None
     # The body is nested no deeper than the line has brackets: only count levels when it may be too deep.
     deep = line.count(b"{") + line.count(b"[") > MAX_BODY_DEPTH
-    ok = _check_body(body, fail, deep=deep, model_optional=endpoint in MODEL_OPTIONAL_ENDPOINTS) and ok
+    kind = batch_endpoint(endpoint)
+    ok = _check_body(body, fail, deep=deep, model_optional=kind.model_optional) and ok
     if not ok:
         return None
     prompt = prompt_text(endpoint, body)
-    output = 0 if endpoint in NO_OUTPUT_ENDPOINTS else max_output_tokens(body)
+    output = max_output_tokens(body) if kind.produces_output else 0
     estimate = len(prompt.encode()) // 4 + 1 + output
     if estimate > INT32_MAX:
         fail(
@@ -227,7 +224,8 @@ def _not_json_message(line: bytes, exc: orjson.JSONDecodeError) -> str:
 
 def prompt_text(endpoint: str, body: dict[str, Any]) -> str:
     """The text a prompt starts with, used for prefix grouping and token estimates."""
-    if endpoint == "/v1/chat/completions":
+    key = batch_endpoint(endpoint).prompt_key
+    if key == "messages":
         messages = body.get("messages")
         if not isinstance(messages, list):
             return ""
@@ -241,7 +239,6 @@ def prompt_text(endpoint: str, body: dict[str, Any]) -> str:
                 content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
             parts.append(f"<{role if isinstance(role, str) else ''}>{content if isinstance(content, str) else ''}")
         return "".join(parts)
-    key = "input" if endpoint in INPUT_ENDPOINTS else "prompt"
     value = body.get(key)
     if isinstance(value, str):
         return value

@@ -17,13 +17,13 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import backfill.jobs.validation.scan as validation_scan
+from backfill.jobs.endpoints import batch_endpoint
 from backfill.jobs.execution.prefixes import FINGERPRINT_BYTES, MAX_BLOCKS, TextBlocks
 from backfill.jobs.validation.fast import line_checker
 from backfill.jobs.validation.input_lines import iter_lines_bounded
 from backfill.jobs.validation.lines import (
     INT32_MAX,
     MAX_BODY_DEPTH,
-    NO_OUTPUT_ENDPOINTS,
     SeenIds,
     check_line,
     max_output_tokens,
@@ -207,7 +207,7 @@ def test_the_fast_path_gives_the_full_paths_verdict_and_values(
     assert errors == []
     assert fast == full
     assert all(type(a) is type(b) for a, b in zip(fast, full, strict=True))
-    assert fast[5] == (0 if endpoint in NO_OUTPUT_ENDPOINTS else max_output_tokens(fast[4]))
+    assert fast[5] == (max_output_tokens(fast[4]) if batch_endpoint(endpoint).produces_output else 0)
     assert list(fast_seen.ids) == list(full_seen.ids) and fast_seen.lines == full_seen.lines
 
 
