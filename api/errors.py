@@ -10,8 +10,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from backfill.api.protocol import ErrorInfo, ErrorResponse
-from backfill.jobs.errors import Conflict, DomainError, Forbidden, InvalidRequest, NotFound, TooLarge, Unauthorized
+from backfill.api.protocol import ErrorResponse
+from backfill.jobs.errors import (
+    Conflict,
+    DomainError,
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    TooLarge,
+    Unauthorized,
+    error_body,
+)
 from backfill.storage.fleet_models import FleetUnavailable
 
 log = logging.getLogger("backfill.api")
@@ -50,10 +59,9 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, object]]:
 def envelope(
     status: int, message: str, *, type_: str, param: str | None = None, code: str | None = None
 ) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code))
     return JSONResponse(
         status_code=status,
-        content=body.model_dump(),
+        content=error_body(message, type_=type_, param=param, code=code),
         headers={"WWW-Authenticate": "Bearer"} if status == 401 else None,
     )
 

@@ -12,9 +12,9 @@ the parser in `api.upload` with the numbers below.
 
 from __future__ import annotations
 
-import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from backfill.jobs.errors import error_bytes
 from backfill.jobs.teams import hash_key
 from backfill.storage.settings import get_settings
 
@@ -68,7 +68,7 @@ async def send_error(
     headers: tuple[tuple[bytes, bytes], ...] = (),
 ) -> None:
     """OpenAI's error envelope, written straight to ASGI (these refusals happen outside FastAPI)."""
-    body = orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
+    body = error_bytes(message, type_=type_, param=param, code=code)
     await send(
         {
             "type": "http.response.start",

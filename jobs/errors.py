@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import Any, TypedDict
+
+import orjson
+
+
+def error_body(message: str, *, type_: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
+    """OpenAI's error envelope, `{"error": {"message", "type", "param", "code"}}`: the one place it
+    is built, for the API's refusals and for the error lines of a batch's error file."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_bytes(message: str, *, type_: str, param: str | None = None, code: str | int | None = None) -> bytes:
+    """`error_body` as JSON bytes, as a reply body carries it."""
+    return orjson.dumps(error_body(message, type_=type_, param=param, code=code))
 
 
 class DomainError(Exception):

@@ -12,6 +12,8 @@ from typing import Any
 
 import orjson
 
+from backfill.jobs.errors import error_body
+
 
 @dataclass(frozen=True)
 class Usage:
@@ -87,14 +89,12 @@ def error_envelope(parsed: Any, raw: bytes, status_code: int) -> dict[str, Any]:
     if not isinstance(error_type, str) or not error_type:
         error_type = "invalid_request_error" if 400 <= status_code < 500 else "server_error"
     param, code = inner.get("param"), inner.get("code")
-    return {
-        "error": {
-            "message": message[:MAX_ERROR_MESSAGE],
-            "type": error_type,
-            "param": param if isinstance(param, str) else None,
-            "code": code if isinstance(code, str | int) and not isinstance(code, bool) else None,
-        }
-    }
+    return error_body(
+        message[:MAX_ERROR_MESSAGE],
+        type_=error_type,
+        param=param if isinstance(param, str) else None,
+        code=code if isinstance(code, str | int) and not isinstance(code, bool) else None,
+    )
 
 
 def request_id_of(parsed: Any) -> str:

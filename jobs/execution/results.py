@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import cast
 
-import orjson
 from sqlalchemy import Integer, String, Table, Text, TextClause, bindparam, text, update
 from sqlalchemy.orm import Session
 
 from backfill.jobs.billing.ledger import record_usage
+from backfill.jobs.errors import error_bytes
 from backfill.jobs.execution.replies import Outcome, Usage
 from backfill.jobs.models import Batch, BatchRequest, RequestState, new_id, utcnow
 
@@ -40,8 +40,8 @@ def attempts_exceeded(attempts: int, why: str) -> Outcome:
     """The failed result of a line tried `attempts` times without an answer to record: a 500 with
     OpenAI's error envelope, so it lands in the error file like any failed request."""
     message = f"This request was tried {attempts} times and never finished ({why}); it will not be tried again."
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": ATTEMPTS_EXCEEDED}}
-    return Outcome(status_code=500, body=orjson.dumps(body), request_id=None, usage=Usage())
+    body = error_bytes(message, type_="server_error", code=ATTEMPTS_EXCEEDED)
+    return Outcome(status_code=500, body=body, request_id=None, usage=Usage())
 
 
 def record_outcome(session: Session, *, batch_id: str, line: int, claim_token: str, outcome: Outcome) -> bool:

@@ -32,6 +32,7 @@ from dataclasses import replace
 import orjson
 from redis.exceptions import RedisError
 
+from backfill.jobs.errors import error_bytes
 from backfill.jobs.execution.claims import ClaimedRequest
 from backfill.scheduler.capacity.admission import Admission, LeaseReturns, Observation, pool_of
 from backfill.scheduler.drain.claiming import claim_lines, read_bodies
@@ -352,9 +353,7 @@ class Dispatcher:
             self.aborted += 1
         except Exception as exc:
             log.exception("sending line %s of batch %s failed", request.line, request.batch_id)
-            answer = Answer.of(
-                FleetReply(500, orjson.dumps({"error": {"message": repr(exc)}}), None, 0.0, transient=True)
-            )
+            answer = Answer.of(FleetReply(500, error_bytes(repr(exc), type_="server_error"), None, 0.0, transient=True))
         finally:
             if call is not None:
                 self._calls.discard(call)

@@ -24,6 +24,7 @@ from datetime import timedelta
 from sqlalchemy import text
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_random_exponential
 
+from backfill.jobs.errors import error_bytes
 from backfill.jobs.execution.claims import ClaimedRequest, release_for_retry, requeue_unstarted
 from backfill.jobs.execution.replies import Outcome, outcome_of
 from backfill.jobs.execution.results import attempts_exceeded, record_outcomes
@@ -54,7 +55,9 @@ class Answer:
         return cls(outcome_of(reply.status_code, reply.body, reply.request_id), reply.transient, reply.sent)
 
 
-UNRECORDABLE = Answer.of(FleetReply(500, b'{"error":{"message":"result not recordable"}}', None, 0.0, transient=True))
+UNRECORDABLE = Answer.of(
+    FleetReply(500, error_bytes("result not recordable", type_="server_error"), None, 0.0, transient=True)
+)
 
 
 @dataclass

@@ -27,6 +27,7 @@ import httpx
 import orjson
 import redis.asyncio
 
+from backfill.jobs.errors import error_bytes
 from backfill.scheduler.fleet.breaker import Breaker, BreakerPolicy, BreakerState, Permit, SharedBreaker, local_breaker
 
 log = logging.getLogger("backfill.fleet")
@@ -291,7 +292,7 @@ class FleetClient:
         transient: bool = True,
         sent: bool = True,
     ) -> FleetReply:
-        body = orjson.dumps({"error": {"message": message, "type": "fleet_unreachable", "param": None, "code": None}})
+        body = error_bytes(message, type_="fleet_unreachable")
         return FleetReply(status, body, None, time.monotonic() - started, transient, deployment, sent)
 
     async def aclose(self) -> None:
