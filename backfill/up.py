@@ -74,7 +74,7 @@ def _fleet_install_outside_cwd(home: Path, env: dict[str, str]) -> None:
 
 
 def _start_fleet(home: Path, *, workers: int, speedup: float) -> Any:
-    from backfill.devfleet.fleet import Fleet
+    from backfill.devfleet.fleet import Fleet, large_model
     from backfill.devfleet.reaper import PIDS_FILE, reap_stale_fleets
 
     run_dir = home / "fleet"
@@ -87,6 +87,9 @@ def _start_fleet(home: Path, *, workers: int, speedup: float) -> Any:
         model_name="tiny-chat",
         num_workers=workers,
         speedup_ratio=speedup,
+        # A second, larger and slower model on a worker of its own: `client.models.list()`
+        # shows both, and each model's batch work runs on its own idle capacity.
+        more_models=[large_model(speedup)],
         run_dir=run_dir,
         die_with_parent=True,
         default_max_tokens=DEFAULT_MAX_TOKENS,  # a request without max_tokens gets it, as on a real engine

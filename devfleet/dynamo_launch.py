@@ -155,6 +155,14 @@ def mocker_cmd(
     return cmd + list(extra_args)
 
 
+def model_endpoint_args(model_name: str | None) -> list[str]:
+    """The `--endpoint` of a further model's workers (None: the default endpoint, the first model's)."""
+    if model_name is None:
+        return []
+    component = "backend_" + "".join(c if c.isalnum() else "_" for c in model_name)
+    return ["--endpoint", f"dyn://dynamo.{component}.generate"]
+
+
 def model_listed(base_url: str, model_name: str) -> bool:
     """Whether the frontend's /v1/models lists `model_name` yet."""
     status, body = http_get(f"{base_url}/models")

@@ -35,6 +35,29 @@ class WorkerMetrics(NamedTuple):
     url: str  # http://127.0.0.1:PORT/metrics
 
 
+@dataclass(frozen=True)
+class ServedModel:
+    """A further model behind the same frontend, on mocker workers of its own (aggregated),
+    as a provider serves several models each on its own worker pools. `layers` sizes it (KV
+    bytes a token, see `model.build_tiny_model`); `speedup_ratio` None runs it at the fleet's."""
+
+    name: str
+    num_workers: int = 1
+    speedup_ratio: float | None = None
+    layers: int | None = None
+    model_path: Path | None = None
+
+
+# The second model of `backfill up` and of the test stack, beside `tiny-chat`: four times its
+# size (16 layers: 8192 KV bytes a token) and slower (at half the first model's speedup), on a
+# worker of its own, so the two models' idle capacity differs as it does on a real fleet.
+LARGE_MODEL = "tiny-chat-large"
+
+
+def large_model(speedup_ratio: float, num_workers: int = 1) -> ServedModel:
+    return ServedModel(LARGE_MODEL, num_workers=num_workers, speedup_ratio=speedup_ratio / 2, layers=16)
+
+
 @dataclass
 class Worker:
     index: int
@@ -42,6 +65,7 @@ class Worker:
     system_port: int
     bootstrap_port: int | None
     proc: ManagedProcess
+    model: str = ""  # the model it serves
 
     @property
     def metrics_url(self) -> str:
@@ -73,6 +97,8 @@ class Fleet:
     top-level request fields instead of answering 400.
     `python`/`model_path` default to the shared venv and tiny model under the
     fleet home, installed/built on first use.
+    `more_models`: further models on workers of their own, after the first model's workers
+    (so worker indexes of the first model do not move).
     """
 
     def __init__(
@@ -105,6 +131,7 @@ class Fleet:
         log_level: str = DEFAULT_LOG_LEVEL,
         startup_timeout: float = 120.0,
         default_max_tokens: int | None = None,
+        more_models: Sequence[ServedModel] = (),
     ):
         """`default_max_tokens`: a request without a length limit gets this one (bounded by the
         context the prompt leaves), as a real engine gives its default; the mocker would answer
@@ -140,6 +167,8 @@ class Fleet:
         self.log_level = log_level
         self.startup_timeout = startup_timeout
         self.default_max_tokens = default_max_tokens
+        self.more_models = list(more_models)
+        self._model_paths: dict[str, Path] = {}
         self._front: LengthFront | None = None
         self._engine_port: int | None = None  # the Dynamo frontend's own port
 
@@ -167,6 +196,14 @@ class Fleet:
     def worker_metrics_urls(self) -> list[WorkerMetrics]:
         return [WorkerMetrics(w.role, w.metrics_url) for w in self.workers]
 
+    @property
+    def models(self) -> list[str]:
+        """The models the frontend lists, the first one first."""
+        return [self.model_name, *(m.name for m in self.more_models)]
+
+    def model_workers(self, name: str) -> list[Worker]:
+        return [w for w in self.workers if w.model == name]
+
     def pids(self) -> list[int]:
         """PIDs (= process-group ids) of the processes currently running."""
         return [p.popen.pid for p in self._procs() if p.popen is not None and p.alive()]
@@ -187,6 +224,11 @@ class Fleet:
             self.python = install.ensure_dynamo_venv(install.default_venv_dir())
         if self.model_path is None:
             self.model_path = model.build_tiny_model(install.default_model_dir(self.model_name), name=self.model_name)
+        self._model_paths = {self.model_name: self.model_path}
+        for extra in self.more_models:
+            self._model_paths[extra.name] = extra.model_path or model.build_tiny_model(
+                install.default_model_dir(extra.name), name=extra.name, layers=extra.layers
+            )
         root = install.default_run_root()
         # Clean up after owners that were SIGKILLed (e.g. a test run killed on timeout).
         reap_stale_fleets(root)
@@ -219,18 +261,20 @@ class Fleet:
             if self.disaggregated
             else ["agg"] * self.num_workers
         )
-        for i, role in enumerate(roles):
+        placed = [(role, self.model_name) for role in roles]
+        placed += [("agg", m.name) for m in self.more_models for _ in range(m.num_workers)]
+        for i, (role, served) in enumerate(placed):
             system_port = free_port(port_range=SYSTEM_PORT_RANGE)
             bootstrap = free_port(port_range=SYSTEM_PORT_RANGE) if role == "prefill" else None
             wenv = dict(base_env, DYN_SYSTEM_PORT=str(system_port))
             proc = ManagedProcess(
                 f"worker{i}-{role}",
-                self._worker_cmd(role, bootstrap),
+                self._worker_cmd(role, bootstrap, served),
                 wenv,
                 self.run_dir / f"worker{i}-{role}.log",
                 die_with_parent=self.die_with_parent,
             )
-            self.workers.append(Worker(i, role, system_port, bootstrap, proc))
+            self.workers.append(Worker(i, role, system_port, bootstrap, proc, served))
 
         self._started = True
         _live_fleets.add(self)
@@ -324,13 +368,15 @@ class Fleet:
             extra_args=self.frontend_args,
         )
 
-    def _worker_cmd(self, role: str, bootstrap_port: int | None) -> list[str]:
+    def _worker_cmd(self, role: str, bootstrap_port: int | None, served: str) -> list[str]:
         assert self.python is not None and self.model_path is not None
+        extra = next((m for m in self.more_models if m.name == served), None)
+        speedup = extra.speedup_ratio if extra is not None and extra.speedup_ratio is not None else self.speedup_ratio
         return dynamo_launch.mocker_cmd(
             python=self.python,
-            model_path=self.model_path,
-            model_name=self.model_name,
-            speedup_ratio=self.speedup_ratio,
+            model_path=self._model_paths.get(served, self.model_path),
+            model_name=served,
+            speedup_ratio=speedup,
             role=role,
             bootstrap_port=bootstrap_port,
             num_gpu_blocks=self.num_gpu_blocks,
@@ -338,7 +384,9 @@ class Fleet:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_bytes_per_token=self.kv_bytes_per_token,
-            extra_args=self.worker_args,
+            # A further model registers on an endpoint of its own: workers of two models on
+            # one endpoint are one pool to the router, and the second model's worker exits.
+            extra_args=[*self.worker_args, *dynamo_launch.model_endpoint_args(served if extra is not None else None)],
         )
 
     def _check_alive(self, procs: Sequence[ManagedProcess] | None = None) -> None:
@@ -355,7 +403,7 @@ class Fleet:
         """
         while True:
             self._check_alive(procs)
-            if dynamo_launch.model_listed(self.base_url, self.model_name):
+            if all(dynamo_launch.model_listed(self.base_url, name) for name in self.models):
                 if self.router_mode != "kv":
                     return
                 registered = dynamo_launch.registered_workers(self.frontend_metrics_url)
@@ -364,7 +412,7 @@ class Fleet:
             if time.monotonic() > deadline:
                 raise FleetStartError(
                     self._failure(
-                        f"model {self.model_name!r} not served at {self.base_url} with "
+                        f"models {self.models!r} not served at {self.base_url} with "
                         f"{expected_workers} worker(s) registered in time"
                     )
                 )

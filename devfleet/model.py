@@ -140,8 +140,13 @@ def is_complete(path: Path) -> bool:
         return False
 
 
-def build_tiny_model(path: Path, name: str = "tiny-chat", vocab_size: int = VOCAB_SIZE) -> Path:
+def build_tiny_model(
+    path: Path, name: str = "tiny-chat", vocab_size: int = VOCAB_SIZE, *, layers: int | None = None
+) -> Path:
     """Create (once) a tokenizer + Llama-style config directory at ``path``.
+
+    `layers` sizes the model (the KV bytes a token takes grow with it: 4 layers, the default,
+    take 2048 bytes; 16 take 8192), so two models of one fleet can differ in size.
 
     Idempotent: returns immediately when a complete build of the current format is
     already there. The build goes to a sibling temp dir and is renamed into place,
@@ -194,6 +199,8 @@ def build_tiny_model(path: Path, name: str = "tiny-chat", vocab_size: int = VOCA
             pad_token_id=ids[PAD],
             _name_or_path=name,
         )
+        if layers is not None:
+            config["num_hidden_layers"] = layers
         _write_json(tmp / "config.json", config)
         _write_json(
             tmp / "generation_config.json",

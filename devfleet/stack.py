@@ -20,7 +20,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .fleet import Fleet
+from .fleet import Fleet, ServedModel, large_model
 from .processes import free_port, http_get
 from .s3 import SeaweedS3
 from .services import PG_ADMIN_URL, create_database, drop_database, flush_redis, private_redis
@@ -157,6 +157,7 @@ def launch_stack(
     fleet_workers: int = 2,
     fleet_speedup: float = 5.0,
     model: str = "tiny-chat",
+    more_models: Sequence[ServedModel] | None = None,
     database_url: str | None = None,
     pg_admin_url: str = PG_ADMIN_URL,
     name: str = "stack",
@@ -167,7 +168,9 @@ def launch_stack(
     and their logs in `workdir/logs`, with `settings` over the defaults (fresh bootstrap and
     admin keys, no rate limit). Each service not handed in is started here and stopped after:
     - `s3`: a SeaweedS3 server with the bucket;
-    - `fleet_url`: a mocker fleet of `fleet_workers` engines at `fleet_speedup` serving `model`;
+    - `fleet_url`: a mocker fleet of `fleet_workers` engines at `fleet_speedup` serving `model`,
+      and `more_models` on workers of their own (by default `tiny-chat-large` on one, as
+      `backfill up` serves it; `()` for one model);
     - `database_url`: a database `backfill_<name>_<random>` on `pg_admin_url`, migrated, dropped
       after;
     - `redis_url`: a redis-server of its own. `flush`: the Redis database is emptied before and
@@ -179,7 +182,10 @@ def launch_stack(
             s3 = held.enter_context(SeaweedS3())
             s3.create_bucket(BUCKET)
         if fleet_url is None:
-            fleet = held.enter_context(Fleet(num_workers=fleet_workers, speedup_ratio=fleet_speedup, model_name=model))
+            extra = [large_model(fleet_speedup)] if more_models is None else list(more_models)
+            fleet = held.enter_context(
+                Fleet(num_workers=fleet_workers, speedup_ratio=fleet_speedup, model_name=model, more_models=extra)
+            )
             fleet_url = fleet.base_url
         if redis_url is None:
             (workdir / "redis").mkdir(exist_ok=True)

@@ -13,7 +13,7 @@ import pytest
 from alembic import command
 from sqlalchemy.orm import Session, sessionmaker
 
-from backfill.devfleet.fleet import Fleet
+from backfill.devfleet.fleet import Fleet, large_model
 from backfill.devfleet.processes import free_port
 from backfill.devfleet.s3 import SeaweedS3
 from backfill.devfleet.services import PG_ADMIN_URL, RedisServer, create_database, database_url, drop_database
@@ -129,7 +129,8 @@ def s3() -> Iterator[SeaweedS3]:
 
 @pytest.fixture(scope="session")
 def fleet() -> Iterator[Fleet]:
-    with Fleet(num_workers=2, speedup_ratio=5.0, model_name="tiny-chat") as f:
+    # Two models, as `backfill up` serves them: tiny-chat on two workers, tiny-chat-large on one.
+    with Fleet(num_workers=2, speedup_ratio=5.0, model_name="tiny-chat", more_models=[large_model(5.0)]) as f:
         yield f
 
 
