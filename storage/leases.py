@@ -33,7 +33,7 @@ class Lease(Base):
 
     __tablename__ = "leases"
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    kind: Mapped[str] = mapped_column(String(16), index=True)
+    kind: Mapped[str] = mapped_column(String(320), index=True)  # "pool:" + a pool name (a model in it)
     expires_at: Mapped[float] = mapped_column(Float)
 
 
