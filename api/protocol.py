@@ -16,21 +16,8 @@ from typing import Generic, Literal, Self, TypeVar
 
 from pydantic import BaseModel, Field
 
+from backfill.jobs.files import FilePurpose
 from backfill.jobs.models import BatchStatus
-
-# What a file's purpose can be on the wire: OpenAI's list, plus "evals", which OpenAI accepts at
-# upload (CreateFileRequest) though its File object schema leaves it out.
-FilePurpose = Literal[
-    "assistants",
-    "assistants_output",
-    "batch",
-    "batch_output",
-    "fine-tune",
-    "fine-tune-results",
-    "vision",
-    "user_data",
-    "evals",
-]
 
 Item = TypeVar("Item", bound=BaseModel)
 

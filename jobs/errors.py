@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any, TypedDict
 
 import orjson
+
+# An error message quotes at most this much of a client's value.
+QUOTE_CHARS = 100
+_short = reprlib.Repr()
+_short.maxstring = _short.maxother = _short.maxlong = 40
+
+
+def quote(value: object) -> str:
+    """A client's value for an error message: repr-like (control characters show), cut to about
+    QUOTE_CHARS characters."""
+    # Slice a string before repr so that quoting a 10 MB value costs nothing either.
+    if isinstance(value, str):
+        text = repr(value[:QUOTE_CHARS])
+        return text if len(value) <= QUOTE_CHARS else f"{text}…"
+    text = _short.repr(value)
+    return text if len(text) <= QUOTE_CHARS + 2 else text[:QUOTE_CHARS] + "…"
 
 
 def error_body(message: str, *, type_: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:

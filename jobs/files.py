@@ -6,15 +6,31 @@ import unicodedata
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Literal, get_args
 
 from sqlalchemy import String, select, tuple_
 from sqlalchemy.orm import Session
 
-from backfill.jobs.errors import InvalidRequest, NotFound, TooLarge
+from backfill.jobs.errors import InvalidRequest, NotFound, TooLarge, quote
 from backfill.jobs.models import TERMINAL_STATUSES, Batch, File, utcnow
 from backfill.storage.objects import ObjectStore, ObjectTooLarge
 
-UPLOAD_PURPOSES = frozenset({"batch", "assistants", "fine-tune", "vision", "user_data", "evals"})
+# What a file's purpose can be: OpenAI's list, plus "evals", which OpenAI accepts at upload
+# (CreateFileRequest) though its File object schema leaves it out. The *_output purposes are
+# written by the service (a batch's results), never uploaded.
+FilePurpose = Literal[
+    "assistants",
+    "assistants_output",
+    "batch",
+    "batch_output",
+    "fine-tune",
+    "fine-tune-results",
+    "vision",
+    "user_data",
+    "evals",
+]
+OUTPUT_PURPOSES = frozenset({"assistants_output", "batch_output", "fine-tune-results"})
+UPLOAD_PURPOSES = frozenset(get_args(FilePurpose)) - OUTPUT_PURPOSES
 MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 24 * 3600
 
 
@@ -27,8 +43,6 @@ def _column_length(column: str) -> int:
 # Taken from the column, so the check and the table can never disagree.
 MAX_FILENAME_CHARS = _column_length("filename")
 DEFAULT_FILENAME = "upload.jsonl"
-# An error message quotes at most this much of a client's value.
-QUOTE_CHARS = 100
 
 
 class UploadInterrupted(InvalidRequest):
@@ -45,13 +59,6 @@ class UploadOptions:
 
     purpose: str
     expires_after_s: int | None
-
-
-def quote_value(value: str) -> str:
-    """A client's value for an error message: repr'd, so control characters show, and cut short."""
-    if len(value) <= QUOTE_CHARS:
-        return repr(value)
-    return f"{value[:QUOTE_CHARS]!r}... ({len(value)} characters)"
 
 
 def file_key(team_id: str, file_id: str) -> str:
@@ -90,9 +97,7 @@ def check_purpose(purpose: str | None) -> str:
     if not purpose:
         raise InvalidRequest("Missing required parameter: 'purpose'.", param="purpose")
     if purpose not in UPLOAD_PURPOSES:
-        raise InvalidRequest(
-            f"{quote_value(purpose)} is not one of {sorted(UPLOAD_PURPOSES)} - 'purpose'", param="purpose"
-        )
+        raise InvalidRequest(f"{quote(purpose)} is not one of {sorted(UPLOAD_PURPOSES)} - 'purpose'", param="purpose")
     return purpose
 
 
@@ -108,7 +113,7 @@ def check_filename(filename: str) -> str:
     # Cc covers NUL (which Postgres text refuses), the other C0 controls, DEL and C1 controls.
     if any(unicodedata.category(c) == "Cc" for c in filename):
         raise InvalidRequest(
-            f"The file name {quote_value(filename)} contains control characters.", param="file", code="invalid_filename"
+            f"The file name {quote(filename)} contains control characters.", param="file", code="invalid_filename"
         )
     return filename or DEFAULT_FILENAME
 
@@ -117,7 +122,7 @@ def _parse_expiry_seconds(text: str) -> int:
     # int() also takes "1_000", " 12 " and other scripts' digits; the form takes ASCII digits only.
     if not (text.isascii() and text.isdigit()) or len(text) > 12:
         raise InvalidRequest(
-            f"'expires_after[seconds]' must be an integer, got {quote_value(text)}.",
+            f"'expires_after[seconds]' must be an integer, got {quote(text)}.",
             param="expires_after.seconds",
             code="invalid_value",
         )

@@ -19,8 +19,6 @@ idempotent and bounded, so a crash mid-way is finished by the next pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -29,11 +27,11 @@ from sqlalchemy.orm import Session
 
 from backfill.jobs.billing.rollup import roll_up_ledger
 from backfill.jobs.models import TERMINAL_STATUSES, Batch, BatchRequest, File, utcnow
+from backfill.storage.db import UnitOfWork
 from backfill.storage.objects import ObjectStore
 
 # Opens one transaction: commits when the block ends, rolls back if it raises
 # (`storage.db.unit_of_work`, or a sessionmaker's `begin`).
-UnitOfWork = Callable[[], AbstractContextManager[Session]]
 
 OBJECT_PREFIXES = ("files/", "batches/")
 

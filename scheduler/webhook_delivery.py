@@ -15,19 +15,16 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
 
 import httpcore
 import httpx
-from sqlalchemy.orm import Session
 
 from backfill.jobs.webhooks.events import DueDelivery, claim_due, record_attempt, signature_header
 from backfill.jobs.webhooks.targets import REFUSED, Address, Resolver, TargetPolicy, TargetRefused, system_resolver
-from backfill.storage.db import unit_of_work
+from backfill.storage.db import UnitOfWork, unit_of_work
 
 log = logging.getLogger("backfill.webhooks")
 
-UnitOfWork = Callable[[], AbstractContextManager[Session]]
 
 USER_AGENT = "backfill-webhooks/0.1"
 CLAIM_PER_ROUND = 32

@@ -32,9 +32,10 @@ from sqlalchemy.orm import Session
 
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, File, RequestState, utcnow
 from backfill.jobs.output.format import ERROR_STATES, OUTPUT_STATES
-from backfill.jobs.output.pages import Page, UnitOfWork, pages
+from backfill.jobs.output.pages import Page, pages
 from backfill.jobs.sweeps import has_running
 from backfill.jobs.webhooks.events import record_batch_event
+from backfill.storage.db import UnitOfWork
 from backfill.storage.objects import ObjectStore, uploads
 
 log = logging.getLogger("backfill.finalization")

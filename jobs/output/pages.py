@@ -21,8 +21,8 @@ reading and sorting every row of the batch for each page.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterator, Sequence
-from contextlib import AbstractContextManager, closing
+from collections.abc import Generator, Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +31,7 @@ from sqlalchemy.orm import Session
 
 from backfill.jobs.models import BatchRequest, RequestState
 from backfill.jobs.output.format import USAGE_COLUMNS, error_bodies, format_lines
-
-UnitOfWork = Callable[[], AbstractContextManager[Session]]
+from backfill.storage.db import UnitOfWork
 
 PAGE_BYTES = 8 * 1024 * 1024  # a page's answers: what a reader holds, a few times over, at once
 ROWS_PER_FETCH = 5000  # lines a page at most, and the lines whose sizes one plan reads

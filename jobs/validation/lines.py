@@ -8,7 +8,6 @@ characters of a value. The common valid line takes a faster path (`jobs.validati
 
 from __future__ import annotations
 
-import reprlib
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import Any
 import orjson
 
 from backfill.jobs.endpoints import batch_endpoint
+from backfill.jobs.errors import QUOTE_CHARS, quote
 
 # Column bounds (jobs/models.py): Integer for a request's line, length and token estimate,
 # BigInteger for a batch's token estimate, String(512) custom_id, String(256) model.
@@ -24,7 +24,6 @@ INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 CUSTOM_ID_MAX_CHARS = 512
 MODEL_MAX_CHARS = 256
-QUOTE_CHARS = 100
 DEFAULT_MAX_OUTPUT_ESTIMATE = 1024
 # orjson re-encodes at most this many levels, and the dispatcher re-encodes every body it sends.
 MAX_BODY_DEPTH = 254
@@ -33,18 +32,6 @@ COUNT_KEYS = (*OUTPUT_LIMIT_KEYS, "n")
 
 # (code, message, param) of one problem on the line being checked.
 ErrorSink = Callable[[str, str, "str | None"], None]
-
-_short = reprlib.Repr()
-_short.maxlevel = 3
-_short.maxdict = _short.maxlist = _short.maxtuple = 4
-_short.maxstring = _short.maxother = _short.maxlong = 40
-
-
-def quote(value: object) -> str:
-    """A user's value for an error message: repr-like, cut to about QUOTE_CHARS characters."""
-    # Slice a string before repr so that quoting a 10 MB value costs nothing either.
-    text = repr(value[: QUOTE_CHARS + 1]) if isinstance(value, str) else _short.repr(value)
-    return text if len(text) <= QUOTE_CHARS + 2 else text[:QUOTE_CHARS] + "…"
 
 
 class SeenIds:

@@ -11,8 +11,6 @@ through `fail_batch_validation` instead of retrying it until it expires.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 
 from sqlalchemy import delete, select, update
 from sqlalchemy.exc import TimeoutError as PoolTimeout
@@ -27,12 +25,12 @@ from backfill.jobs.validation.scan import (
     ValidationResult,
 )
 from backfill.jobs.webhooks.events import record_batch_event
+from backfill.storage.db import UnitOfWork
 from backfill.storage.db import is_transient as is_transient_database_error
 from backfill.storage.fleet_models import FleetUnavailable
 from backfill.storage.objects import is_transient as is_transient_object_store_error
 
 # iter_lines, max_output_tokens and prompt_text are also read by the CLI's local estimate.
-UnitOfWork = Callable[[], AbstractContextManager[Session]]
 
 
 log = logging.getLogger("backfill.validation")

@@ -8,11 +8,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from backfill.jobs.errors import BatchError, batch_error
+from backfill.jobs.errors import BatchError, batch_error, quote
 from backfill.jobs.execution.prefixes import PromptBlocks, TextBlocks
 from backfill.jobs.validation.fast import line_checker
 from backfill.jobs.validation.input_lines import iter_lines_bounded
-from backfill.jobs.validation.lines import INT32_MAX, INT64_MAX, SeenIds, check_line, quote
+from backfill.jobs.validation.lines import INT32_MAX, INT64_MAX, SeenIds, check_line
 from backfill.jobs.validation.request_index import RequestIndex
 
 
