@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal, get_args
 
-from sqlalchemy import String, select, tuple_
+from sqlalchemy import select, tuple_
 from sqlalchemy.orm import Session
 
 from backfill.jobs.errors import InvalidRequest, NotFound, TooLarge, quote
-from backfill.jobs.models import TERMINAL_STATUSES, Batch, File, utcnow
+from backfill.jobs.models import TERMINAL_STATUSES, Batch, File, column_length, utcnow
 from backfill.storage.objects import ObjectStore, ObjectTooLarge
 
 # What a file's purpose can be: OpenAI's list, plus "evals", which OpenAI accepts at upload
@@ -34,14 +34,7 @@ UPLOAD_PURPOSES = frozenset(get_args(FilePurpose)) - OUTPUT_PURPOSES
 MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 24 * 3600
 
 
-def _column_length(column: str) -> int:
-    kind = File.__table__.c[column].type
-    assert isinstance(kind, String) and kind.length is not None
-    return kind.length
-
-
-# Taken from the column, so the check and the table can never disagree.
-MAX_FILENAME_CHARS = _column_length("filename")
+MAX_FILENAME_CHARS = column_length(File, "filename")
 DEFAULT_FILENAME = "upload.jsonl"
 
 

@@ -35,6 +35,13 @@ from backfill.storage.db import Base
 _ALPHABET = string.ascii_letters + string.digits
 
 
+def column_length(table: type[Base], column: str) -> int:
+    """A String column's length, so a check before storing and the table never disagree."""
+    kind = table.__table__.c[column].type  # type: ignore[attr-defined]
+    assert isinstance(kind, String) and kind.length is not None
+    return kind.length
+
+
 def new_id(length: int = 24) -> str:
     return "".join(secrets.choice(_ALPHABET) for _ in range(length))
 
@@ -278,3 +285,58 @@ class BatchRequest(Base):
             sqlite_where=text(RUNNING),
         ),
     )
+
+
+class UploadStatus(enum.StrEnum):
+    pending = "pending"
+    completing = "completing"  # a `complete` is assembling the file (shown as pending)
+    completed = "completed"
+    cancelled = "cancelled"
+    expired = "expired"  # set by retention when it removes the parts of an upload never completed
+
+
+class Upload(Base):
+    """A file sent in parts (OpenAI's Uploads API): the parts land in the object store's multipart
+    upload at the key of the file it becomes (`file_id`), and completion makes that file."""
+
+    __tablename__ = "uploads"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    team_id: Mapped[str] = mapped_column(ForeignKey("teams.id", ondelete="CASCADE"))
+    filename: Mapped[str] = mapped_column(String(512))
+    purpose: Mapped[str] = mapped_column(String(32))
+    mime_type: Mapped[str] = mapped_column(String(255))
+    bytes: Mapped[int] = mapped_column(BigInteger)  # what the client said it will send
+    status: Mapped[str] = mapped_column(String(16), default=UploadStatus.pending.value)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    # The file's own expiry once completed (`expires_after`), seconds after its creation.
+    file_expires_after_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # The file the upload becomes; its object key holds the store's multipart upload.
+    file_id: Mapped[str] = mapped_column(String(40))
+    multipart_key: Mapped[str] = mapped_column(String(512))
+    multipart_id: Mapped[str] = mapped_column(Text)
+    # Store part numbers handed out so far (each part takes a run of them) and what the parts hold.
+    next_part_number: Mapped[int] = mapped_column(Integer, default=1)
+    part_count: Mapped[int] = mapped_column(Integer, default=0)
+    received_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    completed_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+    cancelled_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+    # When the parts of an upload that will never complete were removed from the store.
+    cleaned_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+
+    __table_args__ = (Index("ix_uploads_cleanup", "cleaned_at", "expires_at"),)
+
+
+class UploadPart(Base):
+    """One part of an upload: a run of store parts (numbers `first_number`...) or, when smaller
+    than a store part may be in the middle of an object, an object of its own (`object_key`)."""
+
+    __tablename__ = "upload_parts"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    upload_id: Mapped[str] = mapped_column(ForeignKey("uploads.id", ondelete="CASCADE"), index=True)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    first_number: Mapped[int] = mapped_column(Integer)
+    # The store's tag of each part in the run, in number order; empty for a part kept apart.
+    tags: Mapped[list[str]] = mapped_column(JSON, default=list)
+    object_key: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)

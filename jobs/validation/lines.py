@@ -17,13 +17,14 @@ import orjson
 
 from backfill.jobs.endpoints import batch_endpoint
 from backfill.jobs.errors import QUOTE_CHARS, quote
+from backfill.jobs.models import Batch, BatchRequest, column_length
 
 # Column bounds (jobs/models.py): Integer for a request's line, length and token estimate,
-# BigInteger for a batch's token estimate, String(512) custom_id, String(256) model.
+# BigInteger for a batch's token estimate; the strings' lengths read from their columns.
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
-CUSTOM_ID_MAX_CHARS = 512
-MODEL_MAX_CHARS = 256
+CUSTOM_ID_MAX_CHARS = column_length(BatchRequest, "custom_id")
+MODEL_MAX_CHARS = column_length(Batch, "model")
 DEFAULT_MAX_OUTPUT_ESTIMATE = 1024
 # orjson re-encodes at most this many levels, and the dispatcher re-encodes every body it sends.
 MAX_BODY_DEPTH = 254
