@@ -37,7 +37,7 @@ _ALPHABET = string.ascii_letters + string.digits
 
 def column_length(table: type[Base], column: str) -> int:
     """A String column's length, so a check before storing and the table never disagree."""
-    kind = table.__table__.c[column].type  # type: ignore[attr-defined]
+    kind = table.__table__.c[column].type
     assert isinstance(kind, String) and kind.length is not None
     return kind.length
 
