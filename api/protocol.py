@@ -1,23 +1,23 @@
-"""The wire schemas, in one place: OpenAI's Files, Batches and Models objects, the one error
-envelope, the organization API (projects, API keys, prices, quotas, usage and costs), and
-backfill's extensions (a batch's cost so far, the fleet's batch throughput).
+"""The wire schemas, in one place: OpenAI's Files, Batches, Models and Webhooks objects, the one
+error envelope, the organization API (projects, API keys, prices, quotas, usage and costs), and
+backfill's extensions (a batch's cost so far, the fleet's batch throughput, the dashboard's).
 
 Routes declare these as response models, so the app's own OpenAPI document says what it
 returns; a test holds that document to OpenAI's published schemas. Fields follow OpenAI's
 schemas (and the official SDK's types): a property OpenAI marks optional is `X | None = None`
 here, because OpenAI's live API sends null for it and the SDK reads null and absence alike.
-Field order is the order on the wire. Conversions from ORM rows live in `api.wire`
-and `api.org_wire`.
+Field order is the order on the wire. Conversions from ORM rows live in `api.wire`.
 """
 
 from __future__ import annotations
 
 from typing import Generic, Literal, Self, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from backfill.jobs.files import FilePurpose
 from backfill.jobs.models import BatchStatus
+from backfill.jobs.webhooks.events import EVENT_TYPES, MAX_NAME_CHARS, MAX_URL_CHARS
 
 Item = TypeVar("Item", bound=BaseModel)
 
@@ -364,3 +364,124 @@ class BatchThroughput(BaseModel):
     queued_requests: int  # lines of in-progress batches not finished yet
     queued_tokens: int  # their share of their batches' token estimates (prompt + max output)
     running_batches: int  # in-progress batches with lines left
+
+
+# -- Webhooks ---------------------------------------------------------------------------------
+
+EventType = Literal["batch.completed", "batch.failed", "batch.expired", "batch.cancelled"]
+
+
+class WebhookEndpointObject(BaseModel):
+    id: str
+    object: Literal["webhook_endpoint"]
+    name: str
+    url: str
+    event_types: list[str]
+    signing_secret_hint: str | None = None
+    created_at: int
+    updated_at: int | None = None
+
+
+class WebhookEndpointWithSecret(WebhookEndpointObject):
+    """Returned on creation and rotation only: the one time the signing secret is shown."""
+
+    signing_secret: str
+
+
+class WebhookEndpointDeleted(BaseModel):
+    id: str
+    object: Literal["webhook_endpoint.deleted"]
+    deleted: bool
+
+
+class WebhookEventTypeList(BaseModel):
+    object: Literal["list"]
+    data: list[str]
+
+
+class DeliveryAttempt(BaseModel):
+    at: int
+    status_code: int | None
+    error: str | None
+
+
+class WebhookDeliveryObject(BaseModel):
+    """One event to one endpoint: where its delivery stands and its recent attempts."""
+
+    id: str
+    object: Literal["webhook_endpoint.delivery"]
+    webhook_endpoint_id: str
+    event_id: str
+    event_type: str
+    batch_id: str
+    status: Literal["pending", "delivered", "failed"]
+    attempts: int
+    last_status_code: int | None
+    last_error: str | None
+    last_attempt_at: int | None
+    next_attempt_at: int | None
+    delivered_at: int | None
+    created_at: int
+    history: list[DeliveryAttempt]
+
+
+class CreateEndpointBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    url: str = Field(min_length=1, max_length=MAX_URL_CHARS)
+    event_types: list[EventType] = Field(min_length=1, max_length=len(EVENT_TYPES))
+
+
+class UpdateEndpointBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str | None = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
+    url: str | None = Field(default=None, min_length=1, max_length=MAX_URL_CHARS)
+    event_types: list[EventType] | None = Field(default=None, min_length=1, max_length=len(EVENT_TYPES))
+
+
+class RotateSecretBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    keep_old_secret_active_for_24_hours: bool = False
+
+
+# -- Dashboard --------------------------------------------------------------------------------
+
+
+class DashboardTeam(BaseModel):
+    project_id: str
+    name: str
+
+
+class DashboardBatch(BaseModel):
+    id: str
+    project_id: str
+    status: str
+    endpoint: str
+    model: str | None
+    created_at: int
+    expires_at: int
+    total: int
+    completed: int
+    failed: int
+    input_tokens: int
+    output_tokens: int
+
+
+class DashboardBatches(BaseModel):
+    object: Literal["dashboard.batches"]
+    admin: bool
+    project_id: str  # the caller's own team
+    teams: list[DashboardTeam]  # the caller's team, or every team for an admin key
+    data: list[DashboardBatch]
+
+
+class FleetLoad(BaseModel):
+    """One sample of the fleet's load and the batch share of it."""
+
+    object: Literal["dashboard.fleet_load"]
+    at: float  # Unix time of the sample
+    fleet_inflight: int | None  # every request in flight at the fleet's frontends; None: unreadable
+    batch_inflight: int | None  # batch requests in flight (capacity leases held); None: unreadable
+    interactive_inflight: int | None  # the rest of the fleet's in-flight requests
+    limit: int | None  # the lease limit released to batch work now; None: unreadable
+    capacity_control: bool  # whether the limit follows the fleet's telemetry (else it is fixed)

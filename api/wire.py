@@ -1,13 +1,24 @@
-"""OpenAI wire conversions. Ids get their prefixes and timestamps become Unix seconds only here."""
+"""OpenAI wire conversions, from rows to `api.protocol`'s schemas and back: ids get their prefixes
+and timestamps become Unix seconds only here (files, batches, the organization API, webhooks)."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import overload
 
 from backfill.api import protocol
-from backfill.jobs.errors import NotFound
-from backfill.jobs.models import Batch, File
+from backfill.api.protocol import (
+    DeliveryAttempt,
+    WebhookDeliveryObject,
+    WebhookEndpointObject,
+    WebhookEndpointWithSecret,
+)
+from backfill.jobs.billing.ledger import CURRENCY, MICROS_PER_UNIT, format_micros
+from backfill.jobs.billing.models import Price, Quota
+from backfill.jobs.errors import InvalidRequest, NotFound
+from backfill.jobs.models import ApiKey, Batch, File, Team
+from backfill.jobs.webhooks.events import secret_hint
+from backfill.jobs.webhooks.models import WebhookDelivery, WebhookEndpoint, WebhookEvent
 
 FILE_PREFIX = "file-"
 BATCH_PREFIX = "batch_"
@@ -102,3 +113,159 @@ def file_page(rows: list[File], *, has_more: bool) -> protocol.FileList:
 
 def batch_page(rows: list[Batch], *, has_more: bool) -> protocol.BatchList:
     return protocol.BatchList.of([batch_out(b) for b in rows], has_more=has_more)
+
+
+# -- Organization: a backfill team is an OpenAI project (`proj_` + team id), key ids get `key_`;
+# money leaves as OpenAI's {"value", "currency"} and, for prices, as exact decimal strings.
+
+PROJECT_PREFIX = "proj_"
+KEY_PREFIX = "key_"
+
+
+def from_unix(seconds: int, *, param: str) -> datetime:
+    try:
+        return datetime.fromtimestamp(seconds, tz=UTC)
+    except (OverflowError, OSError, ValueError):
+        raise InvalidRequest(f"'{param}' is not a valid Unix time.", param=param) from None
+
+
+def project_id_out(team_id: str) -> str:
+    return PROJECT_PREFIX + team_id
+
+
+def project_id_in(wire: str, *, param: str = "project_id") -> str:
+    if not wire.startswith(PROJECT_PREFIX) or len(wire) <= len(PROJECT_PREFIX):
+        raise NotFound(f"No project found with id '{wire}'.", param=param)
+    return wire[len(PROJECT_PREFIX) :]
+
+
+def key_id_out(key_id: str) -> str:
+    return KEY_PREFIX + key_id
+
+
+def key_id_in(wire: str) -> str:
+    """A key id (`key_...`) or a key's visible prefix (`sk-bf-...`), as revocation accepts both."""
+    return wire[len(KEY_PREFIX) :] if wire.startswith(KEY_PREFIX) else wire
+
+
+def project_out(team: Team) -> protocol.Project:
+    return protocol.Project(
+        id=project_id_out(team.id),
+        object="organization.project",
+        name=team.name,
+        created_at=ts(team.created_at),
+        archived_at=None,
+        status="active",
+        weight=team.weight,
+    )
+
+
+def key_out(key: ApiKey) -> protocol.ProjectApiKey:
+    return protocol.ProjectApiKey(
+        id=key_id_out(key.id),
+        object="organization.project.api_key",
+        name=key.name,
+        redacted_value=key.prefix + "****",
+        project_id=project_id_out(key.team_id),
+        admin=key.is_admin,
+        created_at=ts(key.created_at),
+        revoked_at=ts(key.revoked_at),
+    )
+
+
+def created_key_out(key: ApiKey, *, raw: str) -> protocol.CreatedProjectApiKey:
+    """The key as created: the only time its raw value is shown (only its hash is stored)."""
+    return protocol.CreatedProjectApiKey.model_validate({**key_out(key).model_dump(), "value": raw})
+
+
+def key_deleted_out(key: ApiKey) -> protocol.ProjectApiKeyDeleted:
+    return protocol.ProjectApiKeyDeleted(
+        object="organization.project.api_key.deleted", id=key_id_out(key.id), deleted=True
+    )
+
+
+def price_out(price: Price) -> protocol.Price:
+    return protocol.Price(
+        id=price.id,
+        object="organization.price",
+        model=price.model,
+        completion_window=price.completion_window,
+        currency=CURRENCY,
+        unit="1M tokens",
+        input=format_micros(price.input_micros_per_million),
+        cached_input=format_micros(price.cached_input_micros_per_million),
+        output=format_micros(price.output_micros_per_million),
+        batch_discount_percent=price.batch_discount_percent,
+        effective_from=ts(price.effective_from),
+        created_at=ts(price.created_at),
+    )
+
+
+def price_page(prices: list[Price]) -> protocol.PriceList:
+    wire = [price_out(p) for p in prices]
+    first, last = (wire[0].id, wire[-1].id) if wire else (None, None)
+    return protocol.PriceList(object="list", data=wire, first_id=first, last_id=last, has_more=False)
+
+
+def quota_out(quota: Quota) -> protocol.Quota:
+    return protocol.Quota(
+        object="organization.project.quota",
+        project_id=project_id_out(quota.team_id),
+        model=quota.model,
+        max_enqueued_tokens=quota.max_enqueued_tokens,
+        max_concurrent_batches=quota.max_concurrent_batches,
+    )
+
+
+def amount_out(micros: int) -> protocol.Amount:
+    return protocol.Amount(value=micros / MICROS_PER_UNIT, currency=CURRENCY)
+
+
+# -- Webhooks
+
+ENDPOINT_PREFIX = "wh_"
+DELIVERY_PREFIX = "whd_"
+EVENT_PREFIX = "evt_"
+
+
+def endpoint_id_in(wire: str) -> str:
+    if not wire.startswith(ENDPOINT_PREFIX) or len(wire) <= len(ENDPOINT_PREFIX):
+        raise NotFound(f"No webhook endpoint found with id '{wire}'.", param="webhook_endpoint_id")
+    return wire[len(ENDPOINT_PREFIX) :]
+
+
+def endpoint_out(e: WebhookEndpoint) -> WebhookEndpointObject:
+    return WebhookEndpointObject(
+        id=ENDPOINT_PREFIX + e.id,
+        object="webhook_endpoint",
+        name=e.name,
+        url=e.url,
+        event_types=list(e.event_types),
+        signing_secret_hint=secret_hint(e.secret),
+        created_at=ts(e.created_at),
+        updated_at=ts(e.updated_at),
+    )
+
+
+def endpoint_with_secret(e: WebhookEndpoint) -> WebhookEndpointWithSecret:
+    return WebhookEndpointWithSecret(**endpoint_out(e).model_dump(), signing_secret=e.secret)
+
+
+def delivery_out(d: WebhookDelivery, event: WebhookEvent) -> WebhookDeliveryObject:
+    return WebhookDeliveryObject(
+        id=DELIVERY_PREFIX + d.id,
+        object="webhook_endpoint.delivery",
+        webhook_endpoint_id=ENDPOINT_PREFIX + d.endpoint_id,
+        event_id=EVENT_PREFIX + event.id,
+        event_type=event.type,
+        batch_id=batch_id_out(event.batch_id),
+        status=d.status,  # type: ignore[arg-type]  # a str column; pydantic checks it against the Literal
+        attempts=d.attempts,
+        last_status_code=d.last_status_code,
+        last_error=d.last_error,
+        last_attempt_at=ts(d.last_attempt_at),
+        next_attempt_at=ts(d.next_attempt_at),
+        delivered_at=ts(d.delivered_at),
+        created_at=ts(d.created_at),
+        history=[DeliveryAttempt.model_validate(a) for a in d.history or []],
+    )

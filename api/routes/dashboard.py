@@ -19,21 +19,20 @@ import threading
 import time
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 import redis
 from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import BaseModel
 from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from backfill.api.deps import CurrentPrincipal, DbSession
 from backfill.api.errors import COMMON_ERRORS, error_responses
-from backfill.api.org_wire import project_id_out
-from backfill.api.wire import batch_id_out, ts
+from backfill.api.protocol import DashboardBatch, DashboardBatches, DashboardTeam, FleetLoad
+from backfill.api.wire import batch_id_out, project_id_out, ts
 from backfill.jobs import batches as batch_service
 from backfill.jobs import teams as team_service
 from backfill.storage.db import unit_of_work
@@ -78,34 +77,6 @@ def dashboard_asset(asset: str) -> Response:
 # -- Batches ------------------------------------------------------------------------------------
 
 
-class DashboardTeam(BaseModel):
-    project_id: str
-    name: str
-
-
-class DashboardBatch(BaseModel):
-    id: str
-    project_id: str
-    status: str
-    endpoint: str
-    model: str | None
-    created_at: int
-    expires_at: int
-    total: int
-    completed: int
-    failed: int
-    input_tokens: int
-    output_tokens: int
-
-
-class DashboardBatches(BaseModel):
-    object: Literal["dashboard.batches"]
-    admin: bool
-    project_id: str  # the caller's own team
-    teams: list[DashboardTeam]  # the caller's team, or every team for an admin key
-    data: list[DashboardBatch]
-
-
 @router.get("/batches")
 def dashboard_batches(principal: CurrentPrincipal, session: DbSession) -> DashboardBatches:
     """The most recent batches: the caller's team's, or every team's for an admin key."""
@@ -138,18 +109,6 @@ def dashboard_batches(principal: CurrentPrincipal, session: DbSession) -> Dashbo
 
 
 # -- Fleet load ---------------------------------------------------------------------------------
-
-
-class FleetLoad(BaseModel):
-    """One sample of the fleet's load and the batch share of it."""
-
-    object: Literal["dashboard.fleet_load"]
-    at: float  # Unix time of the sample
-    fleet_inflight: int | None  # every request in flight at the fleet's frontends; None: unreadable
-    batch_inflight: int | None  # batch requests in flight (capacity leases held); None: unreadable
-    interactive_inflight: int | None  # the rest of the fleet's in-flight requests
-    limit: int | None  # the lease limit released to batch work now; None: unreadable
-    capacity_control: bool  # whether the limit follows the fleet's telemetry (else it is fixed)
 
 
 @lru_cache

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from backfill.api.org_wire import project_id_in
+from backfill.api.wire import project_id_in
 from backfill.jobs.teams import authenticate, create_key
 from backfill.storage.db import unit_of_work
 from tests.api.conftest import ApiEnv, CheckedClient, Team

@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 from datetime import UTC, datetime
 
-from backfill.api.org_wire import project_id_in
+from backfill.api.wire import project_id_in
 from backfill.jobs.billing.models import UsageLedgerEntry
 from backfill.jobs.models import Batch, BatchStatus
 from backfill.storage.db import unit_of_work

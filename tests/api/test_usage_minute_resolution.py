@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from backfill.api.org_wire import project_id_in
+from backfill.api.wire import project_id_in
 from backfill.jobs.billing.models import UsageLedgerEntry
 from backfill.jobs.billing.rollup import roll_up_ledger
 from backfill.jobs.billing.usage import usage_totals
