@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -106,12 +107,16 @@ def worker(
 
 
 @app.command()
-def scheduler() -> None:
+def scheduler(
+    alive_file: Annotated[
+        Path | None, typer.Option(help="Touched while the loop makes progress, for `backfill scheduler-alive`.")
+    ] = None,
+) -> None:
     """Run the scheduler loop (expiry, cancellation, reclaim, finalization, drains) and, with
     BACKFILL_CAPACITY_CONTROL on, the capacity controller that publishes the lease limit. Run
     two or more for a standby: one replica leads (a leader lease), the others wait to take over."""
     from backfill.jobs.retention import RetentionPolicy
-    from backfill.scheduler.leadership import FencedLeases, lead_while_leader, leader_lease
+    from backfill.scheduler.leadership import AliveFile, FencedLeases, lead_while_leader, leader_lease
     from backfill.scheduler.ticker import Ticker
     from backfill.storage.broker import send_task
     from backfill.storage.leases import get_lease_store
@@ -154,9 +159,33 @@ def scheduler() -> None:
                 control.join()
 
     try:
-        lead_while_leader(lease, lead, stop=lambda: stopping["flag"])
+        lead_while_leader(
+            lease,
+            lead,
+            stop=lambda: stopping["flag"],
+            progress_timeout_s=s.scheduler_progress_timeout_s,
+            alive=AliveFile(alive_file) if alive_file else lambda: None,
+        )
     except KeyboardInterrupt:
         pass
+
+
+@app.command("scheduler-alive")
+def scheduler_alive(
+    alive_file: Annotated[Path, typer.Argument(help="The scheduler's --alive-file.")],
+    within_s: Annotated[float, typer.Option(help="Most seconds since the scheduler last made progress.")] = 60.0,
+) -> None:
+    """Exit 0 if the scheduler made progress within `--within-s` seconds (a liveness probe): a
+    leader stuck in a step, or a standby stuck polling, stops touching its file."""
+    from backfill.scheduler.leadership import AliveFile
+
+    try:
+        age_s = AliveFile.age_s(alive_file)
+    except FileNotFoundError:
+        age_s = float("inf")
+    if age_s > within_s:
+        typer.echo(f"the scheduler made no progress for {age_s:.0f} s", err=True)
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -31,6 +31,9 @@ def _run(connection) -> None:  # type: ignore[no-untyped-def]
         compare_type=True,
     )
     with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            # An index built over a large table may take longer than a service's statement bound.
+            connection.exec_driver_sql("SET LOCAL statement_timeout = 0")
         context.run_migrations()
 
 

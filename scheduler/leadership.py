@@ -10,6 +10,11 @@ time it sent its last successful acquire or renew, plus the TTL, less a margin. 
 expiry runs from when it received that request, later, so the holder's belief ends first. The
 controllers' publications are also fenced in the store itself (`FencedLeases`): Redis writes a
 value only while the writer's token still holds the lease.
+
+A leader that is alive but stuck (a tick blocked on a dead connection or a lock) must hand over
+too: the loop asks `deposed()` between its steps, each ask counts as progress, and the keeper
+renews only while the last one is at most `progress_timeout_s` old. A stuck loop's lease lapses
+as a dead one's does; when the loop comes back, its next ask says it is deposed.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 from sqlalchemy import delete, select, update
@@ -267,6 +273,25 @@ class FencedLeases:
         self.leader.withdraw(name, term=self.term)
 
 
+class AliveFile:
+    """A file whose modification time says when the scheduler last made progress (at most once
+    a second), for a liveness probe: `backfill scheduler-alive` reads it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._last = 0.0
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now - self._last >= 1.0:
+            self._last = now
+            self.path.touch()
+
+    @staticmethod
+    def age_s(path: Path) -> float:
+        return time.time() - path.stat().st_mtime
+
+
 def leader_lease(s: Settings) -> LeaderLease:
     """This process's view of the scheduler lease: Redis in production, the database embedded."""
     if s.redis_url:
@@ -281,12 +306,18 @@ def lead_while_leader(
     stop: Callable[[], bool],
     poll_s: float = 1.0,
     renew_every_s: float | None = None,
+    progress_timeout_s: float | None = None,
+    alive: Callable[[], None] = lambda: None,
 ) -> None:
     """Stand by until this replica holds `lease`, then run `lead(deposed)`, where `deposed()`
     turns true when the process is stopping or the lease is lost; `lead` must return soon
-    after. Then stand by again, until `stop()`."""
+    after. Then stand by again, until `stop()`. `lead` asks `deposed()` at least every
+    `progress_timeout_s` (by default 3 TTLs), or the lease is let go. `alive()` is called at
+    each standby poll and each ask: a liveness probe watches it."""
     every = renew_every_s or lease.ttl_s / 3
+    progress_s = progress_timeout_s or 3 * lease.ttl_s
     while not stop():
+        alive()
         try:
             acquired = lease.try_acquire()
         except Exception:
@@ -296,18 +327,40 @@ def lead_while_leader(
             time.sleep(poll_s)
             continue
         log.info("this scheduler leads now (token %s)", lease.token[:8])
-        _lead_once(lease, lead, stop=stop, renew_every_s=every)
+        _lead_once(lease, lead, stop=stop, renew_every_s=every, progress_timeout_s=progress_s, alive=alive)
 
 
 def _lead_once(
-    lease: LeaderLease, lead: Callable[[Callable[[], bool]], None], *, stop: Callable[[], bool], renew_every_s: float
+    lease: LeaderLease,
+    lead: Callable[[Callable[[], bool]], None],
+    *,
+    stop: Callable[[], bool],
+    renew_every_s: float,
+    progress_timeout_s: float,
+    alive: Callable[[], None],
 ) -> None:
-    """Run `lead` while a keeper thread renews the lease; release it when `lead` returns."""
+    """Run `lead` while a keeper thread renews the lease, as long as `lead` keeps asking whether
+    it is deposed; release the lease when `lead` returns."""
     lost = threading.Event()
     done = threading.Event()
+    last_ask = [time.monotonic()]
+
+    def deposed() -> bool:
+        last_ask[0] = time.monotonic()
+        alive()
+        return stop() or lost.is_set() or not lease.held()
 
     def keep() -> None:
         while not done.wait(renew_every_s):
+            stuck_s = time.monotonic() - last_ask[0]
+            if stuck_s > progress_timeout_s:
+                # Renewing now would keep a stuck loop's lease for ever: let it lapse instead.
+                log.error(
+                    "the scheduler loop has made no progress for %.0f s: no longer renewing the leader lease",
+                    stuck_s,
+                )
+                lost.set()
+                return
             try:
                 if lease.renew():
                     continue
@@ -321,7 +374,7 @@ def _lead_once(
     keeper = threading.Thread(target=keep, name="leader-lease", daemon=True)
     keeper.start()
     try:
-        lead(lambda: stop() or lost.is_set() or not lease.held())
+        lead(deposed)
     finally:
         done.set()
         keeper.join()

@@ -4,7 +4,9 @@ Each tick: expire overdue batches, finish cancellations, reconcile (reclaim line
 worker died, resume batches that stopped making progress), re-nudge validations the broker
 lost, start finalization, and keep drains running while there is pending work; every
 `retention_interval_s`, apply retention. Every step is idempotent, so two schedulers are
-merely wasteful.
+merely wasteful; still, a leader asks whether it still leads before each step (`Ticker.fence`),
+so one that was paused or stuck and lost its lease meanwhile stops at the next step, and each
+ask tells the lease keeper the loop is making progress (`scheduler.leadership`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ RENUDGE_S = 30.0
 # How long a tick looks again at batches it just expired, and how often (`_finalize_as_they_settle`).
 SETTLE_WAIT_S = 1.0
 SETTLE_POLL_S = 0.05
+
+
+class Deposed(Exception):
+    """This replica no longer leads: the tick stops before its next step."""
 
 
 class Enqueue(Protocol):
@@ -160,6 +166,12 @@ class Ticker:
         self._retirement_backlog = False  # the last retention pass left batches to retire
         self._nudged: dict[tuple[TaskName, str], float] = {}
         self._last_drain_kick = 0.0
+        self._deposed: Callable[[], bool] = lambda: False
+
+    def fence(self, step: str) -> None:
+        """Before a step with side effects: stop the tick if this replica no longer leads."""
+        if self._deposed():
+            raise Deposed(step)
 
     def _nudge(self, task: TaskName, batch_id: str) -> None:
         now = time.monotonic()
@@ -175,15 +187,18 @@ class Ticker:
         self._nudged = {k: at for k, at in self._nudged.items() if k in wanted and now - at < RENUDGE_S}
 
     def tick(self) -> None:
+        self.fence("expiry")
         with unit_of_work() as session:
             expired = sweeps.expire_overdue(session)
         with unit_of_work() as session:
             to_finalize = sweeps.batches_to_finalize(session)
         wanted = {(TaskName.finalize_batch, b) for b in (*to_finalize, *expired)}
+        self.fence("finalization")
         for batch_id in to_finalize:
             self._nudge(TaskName.finalize_batch, batch_id)
         self._finalize_as_they_settle([b for b in expired if b not in to_finalize])
 
+        self.fence("reclaim")
         try:
             self.reconciler.reclaim()
         except Exception:  # (Redis away: nothing is reclaimed until its heartbeats can be read)
@@ -203,6 +218,7 @@ class Ticker:
         wanted |= {(TaskName.validate_batch, b) for b in waiting}
         # (The stall check's own nudges drop their entry before they nudge: nothing to keep.)
         self._forget_nudges(wanted)
+        self.fence("validation nudges")
         for batch_id in waiting:
             self._nudge(TaskName.validate_batch, batch_id)
         try:
@@ -216,6 +232,7 @@ class Ticker:
             log.warning("stall check skipped", exc_info=True)
 
         if has_work:
+            self.fence("drains")
             running = self.leases.count(DRAIN_POOL)
             now = time.monotonic()
             if running < self.drains and now - self._last_drain_kick > 2.0:
@@ -223,7 +240,9 @@ class Ticker:
                 for _ in range(self.drains - running):
                     self.enqueue(TaskName.drain)
 
+        self.fence("webhooks")
         webhook_delivery.deliver_in_background()  # due webhooks, in a thread of their own
+        self.fence("retention")
         self.retain()
 
     def _finalize_as_they_settle(self, batch_ids: list[str]) -> None:
@@ -233,6 +252,7 @@ class Ticker:
         deadline = time.monotonic() + SETTLE_WAIT_S
         while batch_ids and time.monotonic() < deadline:
             time.sleep(SETTLE_POLL_S)
+            self.fence("finalization")
             with unit_of_work() as session:
                 settled = sweeps.settled(session, batch_ids, status=BatchStatus.finalizing)
             for batch_id in settled:
@@ -271,10 +291,15 @@ class Ticker:
         return report
 
     def run_forever(self, interval_s: float, stop: Callable[[], bool] = lambda: False) -> None:
+        """Tick until `stop()`; `stop` is also the fence each step asks (`fence`)."""
+        self._deposed = stop
         while not stop():
             started = time.monotonic()
             try:
                 self.tick()
+            except Deposed as d:
+                log.warning("not the leader any more: this tick stopped before its %s", d)
+                return
             except Exception:
                 log.exception("tick failed")
             time.sleep(max(0.0, interval_s - (time.monotonic() - started)))

@@ -83,6 +83,11 @@ class Core(BaseSettings):
     # Prometheus multiprocess files of every backfill process on this host (empty: HOME/metrics);
     # the API's /metrics adds up what the API, worker and scheduler processes wrote there.
     metrics_dir: str = ""
+    # Bounds on every Postgres connection, so no caller waits on the database for ever: the
+    # connect, one statement, one lock wait (a dead peer is noticed by TCP keepalives).
+    db_connect_timeout_s: float = 10.0
+    db_statement_timeout_s: float = 300.0
+    db_lock_timeout_s: float = 30.0
 
 
 class FleetSettings(BaseSettings):
@@ -257,6 +262,9 @@ class DrainSettings(BaseSettings):
     # A batch with work left that makes no progress for this long, with no live drain on its
     # lines, is resumed by the scheduler's reconciler (which logs what it did).
     stall_after_s: float = 30.0
+    # The leading scheduler renews its lease only while its loop finishes a step within this
+    # long; a loop stuck longer (a database wait, a hung call) lets the lease lapse to a standby.
+    scheduler_progress_timeout_s: float = 20.0
 
 
 class EscalationSettings(BaseSettings):

@@ -325,16 +325,22 @@ def test_probes_ask_for_real_routes(rendered: Rendered, is_route: Any) -> None:
             probe = container.get(kind)
             if probe is None:
                 continue
-            # Only the API serves anything; the worker and the scheduler have nothing to probe.
+            if "exec" in probe:  # the scheduler's own check of its progress file
+                assert probe["exec"]["command"][:2] == ["backfill", "scheduler-alive"], probe
+                assert f"--alive-file={probe['exec']['command'][2]}" in container["command"]
+                continue
+            # Only the API serves anything over the network.
             assert set(probe) & {"httpGet", "exec", "tcpSocket", "grpc"} == {"httpGet"}, f"{kind}: {probe}"
             assert is_route(probe["httpGet"]["path"]), f"{doc['metadata']['name']} {kind}: no route {probe}"
             assert probe["httpGet"]["port"] in ports
     _, api = rendered.component("api")
     assert api["livenessProbe"]["httpGet"]["path"] == "/health"  # answers while the process runs
     assert api["readinessProbe"]["httpGet"]["path"] == "/ready"  # its dependencies answer
-    for component in ("worker", "scheduler"):
-        _, container = rendered.component(component)
-        assert not {"startupProbe", "livenessProbe", "readinessProbe"} & set(container)
+    _, worker = rendered.component("worker")
+    assert not {"startupProbe", "livenessProbe", "readinessProbe"} & set(worker)
+    _, scheduler = rendered.component("scheduler")
+    assert set(scheduler["livenessProbe"]) >= {"exec", "periodSeconds", "failureThreshold"}
+    assert "withinSeconds" not in scheduler["livenessProbe"]
 
 
 def test_the_service_monitor_scrapes_metrics_with_the_token(rendered: Rendered, is_route: Any) -> None:

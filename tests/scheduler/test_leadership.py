@@ -8,6 +8,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -166,3 +167,21 @@ def test_standby_takes_over_and_leaders_never_overlap(make: Callable[[], tuple[L
     assert set(by_name) == {"first", "second"}, spans
     assert by_name["first"][1] <= by_name["second"][0], f"two leaders at once: {spans}"
     assert by_name["second"][0] - died_at <= TTL_S + 1.5, "the standby took too long to take over"
+
+
+def test_the_liveness_check_reads_the_alive_file(tmp_path: Path) -> None:
+    """`backfill scheduler-alive` (the chart's liveness probe) passes while the loop touches its
+    file, fails once the file is older than --within-s, and fails before the file exists."""
+    from typer.testing import CliRunner
+
+    from backfill.cli import app
+    from backfill.scheduler.leadership import AliveFile
+
+    path = tmp_path / "scheduler.alive"
+    runner = CliRunner()
+    assert runner.invoke(app, ["scheduler-alive", str(path)]).exit_code == 1
+    AliveFile(path)()
+    assert runner.invoke(app, ["scheduler-alive", str(path), "--within-s", "60"]).exit_code == 0
+    old = time.time() - 120
+    os.utime(path, (old, old))
+    assert runner.invoke(app, ["scheduler-alive", str(path), "--within-s", "60"]).exit_code == 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import pytest
@@ -233,3 +233,61 @@ def test_nudges_of_batches_that_finished_are_forgotten(scratch_db: str) -> None:
         s.execute(update(Batch).where(Batch.id.in_([*finalizing, validating])).values(status=BatchStatus.completed))
     ticker.tick()
     assert not {b for _, b in ticker._nudged} & {*finalizing, validating}, ticker._nudged
+
+
+def test_a_leader_whose_tick_is_blocked_in_the_database_hands_over(scratch_db: str, redis_url: str) -> None:
+    """A tick blocked on a row lock (held here, as by a stuck transaction or a dead connection's
+    lock) keeps its thread alive but makes no progress: the leader must stop renewing its lease,
+    a standby must lead within 3 TTLs, and the stuck leader, once unblocked, must stop at its next
+    step and not lead again."""
+    import threading
+    import uuid
+
+    import psycopg
+
+    from backfill.scheduler.leadership import RedisLeaderLease, lead_while_leader
+    from tests.e2e.helpers import wait_until
+
+    ttl_s = 4.0
+    with unit_of_work() as s:
+        team = Team(name="ticker-blocked")
+        s.add(team)
+        s.flush()
+        team_id = team.id
+    overdue = _batch(team_id, BatchStatus.in_progress, expires_in_s=-1, lines=1)
+    blocker = psycopg.connect(scratch_db.replace("postgresql+psycopg://", "postgresql://"))
+    blocker.execute("SELECT id FROM batches WHERE id = %s FOR UPDATE", (overdue,))  # held until rollback
+
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    stuck, standby = (RedisLeaderLease(redis_url, ttl_s=ttl_s, namespace=ns) for _ in range(2))
+    stop = threading.Event()
+    terms: list[str] = []
+
+    def lead(deposed: Callable[[], bool]) -> None:
+        terms.append(stuck.token)
+        Ticker(leases=SqlLeaseStore(), enqueue=lambda name, /, *args: None, drains=0).run_forever(0.2, stop=deposed)
+
+    def keep_standby() -> None:
+        while not stop.wait(1.0):
+            standby.renew()
+
+    standby_keeper = threading.Thread(target=keep_standby, daemon=True)
+    leader = threading.Thread(
+        target=lead_while_leader,
+        args=(stuck, lead),
+        kwargs={"stop": stop.is_set, "poll_s": 0.2, "progress_timeout_s": ttl_s / 2},
+        daemon=True,
+    )
+    try:
+        leader.start()
+        wait_until("the first replica leads", lambda: bool(terms), timeout_s=30, every_s=0.05)
+        wait_until("the standby leads", standby.try_acquire, timeout_s=3 * ttl_s, every_s=0.2)
+        standby_keeper.start()
+        blocker.rollback()  # the stuck tick goes on: its next step finds it no longer leads
+        wait_until("the stuck replica stands by", lambda: not stuck.held(), timeout_s=30)
+        assert standby.renew() and stuck.holder() == standby.token
+        assert len(terms) == 1, "the stuck replica led again while the standby held the lease"
+    finally:
+        stop.set()
+        blocker.close()
+        leader.join(timeout=30)
