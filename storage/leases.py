@@ -173,6 +173,10 @@ class SqlLeaseStore:
     def acquire(self, pool: str, *, limit: int, n: int, ttl_s: float, settle: bool = True) -> list[str]:
         now = time.time()
         with unit_of_work() as s:
+            if s.get_bind().dialect.name == "postgresql":
+                # Count-then-insert is atomic only if acquirers of a pool take turns: a lock per
+                # pool, held to the commit. (SQLite's first write locks the whole database.)
+                s.execute(select(func.pg_advisory_xact_lock(func.hashtext(f"backfill:pool:{pool}"))))
             s.execute(delete(Lease).where(Lease.kind == f"pool:{pool}", Lease.expires_at <= now))
             held = s.execute(select(func.count()).where(Lease.kind == f"pool:{pool}")).scalar_one()
             ids = [uuid.uuid4().hex for _ in range(max(0, min(n, limit - held)))]

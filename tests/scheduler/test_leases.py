@@ -63,3 +63,47 @@ def test_heartbeats_and_published_values_expire(store: LeaseStore) -> None:
     time.sleep(SHORT_TTL_S + 0.3)
     assert store.alive(["w1", "w2"]) == {"w2"}
     assert store.read("limit:fleet") is None
+
+
+def test_concurrent_acquirers_on_postgres_never_pass_the_limit(
+    tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Drains acquiring at the same moment on Postgres: each counts the pool, then inserts, so
+    without one lock per pool two of them pass the same count and the pool holds more than its
+    limit. Rounds of many simultaneous acquirers, each wanting more than its share."""
+    import secrets
+    import threading
+
+    from backfill.devfleet.services import PG_ADMIN_URL, create_database, drop_database
+    from backfill.migrate import upgrade
+    from backfill.storage import db, settings
+
+    name = f"backfill_leases_{secrets.token_hex(4)}"
+    monkeypatch.setenv("BACKFILL_DATABASE_URL", create_database(PG_ADMIN_URL, name))
+    monkeypatch.setenv("BACKFILL_HOME", str(tmp_path))
+    for cached in (settings.get_settings, db.get_engine, db._session_factory):
+        cached.cache_clear()
+    try:
+        upgrade()
+        store = SqlLeaseStore()
+        limit, acquirers = 4, 12
+        for round_ in range(5):
+            pool = f"race-{round_}"
+            start = threading.Barrier(acquirers)
+            granted: list[list[str]] = []
+
+            def acquire(pool: str = pool, start: threading.Barrier = start, granted: list[list[str]] = granted) -> None:
+                start.wait()
+                granted.append(store.acquire(pool, limit=limit, n=3, ttl_s=60))
+
+            threads = [threading.Thread(target=acquire) for _ in range(acquirers)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert sum(map(len, granted)) == limit == store.count(pool), granted
+    finally:
+        db.get_engine().dispose()
+        for cached in (settings.get_settings, db.get_engine, db._session_factory):
+            cached.cache_clear()
+        drop_database(PG_ADMIN_URL, name)
