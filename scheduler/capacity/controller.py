@@ -45,8 +45,10 @@ class CapacityLoop:
         on_decision: Callable[[float, Decision], None] | None = None,
         deployment: int = 0,
         publish_rate: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.controller = controller
+        self.clock = clock  # the simulator (`backfill.sim`) steps the loop on a virtual clock
         self.telemetry = telemetry
         self.leases = leases
         self.deployment = deployment
@@ -54,7 +56,7 @@ class CapacityLoop:
         self.observations = observations or ObservationLog(leases, key=obs_key(deployment))
         self.on_decision = on_decision
         self._last_totals: dict[str, float] | None = None
-        self._last_at = time.monotonic()
+        self._last_at = clock()
         self._rate = 0.0
 
     def _obs_delta(self, now: float) -> ObsDelta:
@@ -81,7 +83,7 @@ class CapacityLoop:
         except Exception:
             log.warning("telemetry scrape failed", exc_info=True)
             snap = None
-        now = time.monotonic()
+        now = self.clock()
         obs = self._obs_delta(now)
         if obs.dt_s > 0:  # in the units of the batches' token estimates: prompt + output
             self._rate = 0.9 * self._rate + 0.1 * (obs.prompt_tokens + obs.completion_tokens) / obs.dt_s

@@ -11,7 +11,7 @@ bytes one token's KV row takes (576 for an FP8 MLA row, 352 for NVFP4), not from
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 import httpx
@@ -241,6 +241,8 @@ class FleetTelemetry:
     _last_rejected: float | None = None
     _last_stream_started: float | None = None
     _last_preempted: dict[str, float] = field(default_factory=dict)
+    # Where a scrape's time comes from: the simulator (`backfill.sim`) runs on a virtual clock.
+    clock: Callable[[], float] = time.monotonic
 
     def _get(self, url: str) -> str | None:
         if self._client is None:
@@ -256,7 +258,7 @@ class FleetTelemetry:
         return counter.window(_total(samples, f"{metric}_sum"), _total(samples, f"{metric}_count"))
 
     def scrape(self) -> FleetSnapshot:
-        at = time.monotonic()
+        at = self.clock()
         missing: list[str] = []
         frontend: FrontendStats | None = None
         workers: list[WorkerStats] = []
