@@ -98,11 +98,12 @@ class FleetClient:
             raise ValueError("no fleet URL configured (BACKFILL_FLEET_URLS)")
         self.fleet_deployments = len(urls)
         self._urls = [*urls, *(overflow_urls or [])]
-        # The overflow's own key, if it has one (a serverless pool, another provider).
+        # Credentials are per deployment: the fleet's key to the fleet's deployments, the
+        # overflow's own (a serverless pool, another provider) to the overflow's; no key, no header.
         self._auth = {
-            i: {"Authorization": f"Bearer {overflow_api_key}"}
-            for i in range(len(urls), len(self._urls))
-            if overflow_api_key
+            i: {"Authorization": f"Bearer {key}"}
+            for i in range(len(self._urls))
+            if (key := api_key if i < len(urls) else overflow_api_key)
         }
         self._turn = itertools.count()
         self._asking: dict[int, asyncio.Future[Permit]] = {}  # a breaker's question in flight
@@ -121,14 +122,12 @@ class FleetClient:
             SharedBreaker(self._redis, url, policy) if self._redis is not None else local_breaker(url, policy)
             for url in self._urls
         ]
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # Several small pools rather than one large one: httpcore looks through every pooled
         # connection on each request (to drop expired ones), so a request's cost grows with the
         # pool; spread over POOL_SHARDS clients taken in turn, each pool stays small.
         per_shard = max(1, math.ceil(max_connections / POOL_SHARDS))
         self._clients = [
             httpx.AsyncClient(
-                headers=headers,
                 verify=_tls_context(),
                 timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
                 limits=httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard),
