@@ -116,7 +116,9 @@ class FaultProxy:
     @property
     def stats(self) -> dict[str, int]:
         """Requests seen per outcome: one key per fault; `forwarded` (requests that could meet a
-        fault, passed on unharmed), `passed` (other methods), `upstream_failed`."""
+        fault, passed on unharmed), `passed` (other methods), `upstream_failed`; and
+        `model:NAME` per request body naming that model (what reached this deployment, whatever
+        its outcome)."""
         with self._lock:
             return dict(self._stats)
 
@@ -191,6 +193,9 @@ class FaultProxy:
                     return
                 head, body = request
                 method = head.method.decode()
+                model = _model_of(body)
+                if model is not None:
+                    self._count(f"model:{model}")
                 rule = self._take(method)
                 if rule is not None:
                     self._count(rule.fault.value)
@@ -330,6 +335,17 @@ class FaultProxy:
             # Linger on with a zero timeout: close() sends RST instead of FIN.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         writer.transport.abort()
+
+
+def _model_of(body: bytes) -> str | None:
+    """The `model` a JSON request body names, if any."""
+    if not body.startswith(b"{"):
+        return None
+    try:
+        model = json.loads(body).get("model")
+    except ValueError:
+        return None
+    return model if isinstance(model, str) else None
 
 
 def _pretty(raw: bytes) -> bytes:

@@ -263,6 +263,7 @@ class PendingBatch:
     total: int
     remaining: int  # pending or running
     remaining_tokens: int
+    model: str | None = None  # the one model its lines name (None: not recorded)
 
 
 def pending_batches(session: Session) -> list[PendingBatch]:
@@ -282,6 +283,7 @@ def pending_batches(session: Session) -> list[PendingBatch]:
                 total=b.total,
                 remaining=remaining,
                 remaining_tokens=b.token_estimate * remaining // max(b.total, 1),
+                model=b.model,
             )
         )
     return out

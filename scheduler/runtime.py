@@ -23,7 +23,9 @@ from backfill.scheduler.drain.escalation import (
     escalated_plan,
 )
 from backfill.scheduler.drain.policy import FairPlanner, PolicyConfig
+from backfill.scheduler.fleet.routing import FleetRoutes
 from backfill.storage.db import unit_of_work
+from backfill.storage.fleet_models import get_catalog
 from backfill.storage.leases import LeaseStore, get_lease_store
 from backfill.storage.settings import Settings, get_settings
 
@@ -51,7 +53,10 @@ class Planner:
         s = get_settings()
         self.admission = admission
         self.refresh_s = refresh_s
-        self.fair = FairPlanner(PolicyConfig(guaranteed_share=s.deadline_guaranteed_share))
+        self._policy = PolicyConfig(guaranteed_share=s.deadline_guaranteed_share)
+        # Fair share across teams holds within each model: each model's lines fill that model's
+        # pools, so each keeps its own virtual times (one model's backlog charges no team on another).
+        self.fair: dict[str | None, FairPlanner] = {}
         self.escalator = escalator or get_escalator()
         self.escalations: dict[str, Escalation] = {}
         self._local_rate = rate_meter(admission)
@@ -71,9 +76,23 @@ class Planner:
             )
         return self._view
 
-    def __call__(self, slots: int) -> list[tuple[str, int]]:
+    def __call__(self, slots: int, models: frozenset[str] | None = None) -> list[tuple[str, int]]:
+        """Plan `slots` releases among the batches of `models` (None: every batch), on those
+        models' own fair share."""
         pending, weights, rate = self._refresh()
-        return self.fair.plan(pending, slots, now=utcnow(), weights=weights, rate_tokens_s=rate)
+        if models is not None:
+            pending = [b for b in pending if b.model is None or b.model in models]
+        key = next(iter(models)) if models is not None and len(models) == 1 else None
+        fair = self.fair.setdefault(key, FairPlanner(self._policy))
+        return fair.plan(pending, slots, now=utcnow(), weights=weights, rate_tokens_s=rate)
+
+    def pending_models(self) -> set[str | None]:
+        """The models of the batches with work left (None for a batch whose model is not recorded)."""
+        pending, _, _ = self._refresh()
+        return {b.model for b in pending if b.remaining > 0}
+
+    def model_of(self, batch_id: str) -> str | None:
+        return next((b.model for b in self._view[0] if b.batch_id == batch_id), None)
 
     def escalated(self) -> dict[str, Escalation]:
         self._refresh()
@@ -177,4 +196,12 @@ def make_escalation(planner: Planner, leases: LeaseStore | None = None) -> Escal
         escalated=planner.escalated,
         relaxed_plan=planner.relaxed,
         overflow_plan=planner.overflow,
+        model_of=planner.model_of,
     )
+
+
+def make_routes(s: Settings | None = None) -> FleetRoutes:
+    """What each deployment serves (the fleet's, then the overflow ones, in the `FleetClient`'s
+    order), from the process's model catalog."""
+    s = s or get_settings()
+    return FleetRoutes([*s.fleet_urls, *s.overflow_urls], get_catalog().served_by, refresh_s=min(5.0, s.models_cache_s))

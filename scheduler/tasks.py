@@ -32,7 +32,7 @@ from backfill.jobs.validation.scan import Limits
 from backfill.scheduler.drain.dispatcher import Dispatcher
 from backfill.scheduler.fleet.client import FleetClient
 from backfill.scheduler.metrics import timed
-from backfill.scheduler.runtime import get_admission, make_escalation, make_planner
+from backfill.scheduler.runtime import get_admission, make_escalation, make_planner, make_routes
 from backfill.scheduler.validation_pool import default_processes, validate_object
 from backfill.storage.broker import TaskName, celery_app
 from backfill.storage.db import unit_of_work
@@ -186,6 +186,7 @@ def drain() -> int:
     leases = get_lease_store()
 
     async def run() -> int:
+        routes = make_routes(s)  # which deployments serve which model: a line goes only to those
         fleet = FleetClient(
             s.fleet_urls,
             timeout_s=s.fleet_timeout_s,
@@ -193,6 +194,7 @@ def drain() -> int:
             redis_url=s.redis_url,
             overflow_urls=s.overflow_urls,
             overflow_api_key=s.overflow_api_key,
+            routes=routes,
         )
         try:
             admission = get_admission()
@@ -207,6 +209,8 @@ def drain() -> int:
                 fleet=fleet,
                 planner=planner,
                 escalation=make_escalation(planner, leases),
+                routes=routes,
+                pending_models=planner.pending_models,
                 max_attempts=s.max_attempts,
                 hint_mode=s.fleet_priority_hint,
                 shutdown=SHUTDOWN,

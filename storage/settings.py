@@ -59,6 +59,21 @@ def parse_metrics_endpoints(spec: str) -> list[list[MetricsEndpoint]]:
     return deployments
 
 
+def parse_fleet_models(spec: str) -> dict[str, list[str]]:
+    """`url=modelA|modelB;url=modelC` -> {url: [modelA, modelB], url: [modelC]} (URLs as in
+    `parse_urls`, without a trailing slash)."""
+    out: dict[str, list[str]] = {}
+    for item in spec.split(";"):
+        if not item.strip():
+            continue
+        url, sep, models = item.partition("=")
+        names = [m.strip() for m in models.split("|") if m.strip()]
+        if not sep or not url.strip() or not names:
+            raise ValueError(f"fleet models entry {item.strip()!r} is not `url=model|model`")
+        out[url.strip().rstrip("/")] = names
+    return out
+
+
 _CONFIG = SettingsConfigDict(env_prefix="BACKFILL_", env_file=".env", extra="ignore")
 
 
@@ -108,6 +123,15 @@ class FleetSettings(BaseSettings):
     # Prometheus endpoints of the fleet: `role=url` items, role frontend|agg|prefill|decode,
     # deployments separated by `;`. Empty: the frontend's /metrics beside each fleet URL.
     fleet_metrics_urls: Annotated[list[list[MetricsEndpoint]], NoDecode] = []
+    # The models a deployment serves, for deployments whose own /v1/models is not to be trusted:
+    # `url=modelA|modelB;url=modelC` (a fleet or overflow base URL). A deployment not named here
+    # serves what its /v1/models lists (asked every `models_cache_s`).
+    fleet_models: Annotated[dict[str, list[str]], NoDecode] = {}
+
+    @field_validator("fleet_models", mode="before")
+    @classmethod
+    def _fleet_models(cls, v: Any) -> Any:
+        return parse_fleet_models(v) if isinstance(v, str) else v
 
     @field_validator("fleet_urls", mode="before")
     @classmethod

@@ -16,9 +16,12 @@ depends_on = None
 
 
 def upgrade() -> None:
-    op.alter_column("leases", "kind", type_=sa.String(320), existing_type=sa.String(16), existing_nullable=False)
+    # SQLite (the embedded mode) has no ALTER COLUMN: batch mode copies the table there.
+    with op.batch_alter_table("leases") as batch_op:
+        batch_op.alter_column("kind", type_=sa.String(320), existing_type=sa.String(16), existing_nullable=False)
 
 
 def downgrade() -> None:
     op.execute("DELETE FROM leases WHERE length(kind) > 16")
-    op.alter_column("leases", "kind", type_=sa.String(16), existing_type=sa.String(320), existing_nullable=False)
+    with op.batch_alter_table("leases") as batch_op:
+        batch_op.alter_column("kind", type_=sa.String(16), existing_type=sa.String(320), existing_nullable=False)

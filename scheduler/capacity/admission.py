@@ -6,6 +6,11 @@ holding it goes there and nowhere else, so what is in flight at a deployment nev
 own limit, and a busy deployment's small limit never holds back an idle one. Deployment 0 keeps
 the plain names (`fleet`, `limit:fleet`), so one deployment looks as it always did.
 
+A deployment that serves several models has a pool per model (`fleet/MODEL`, `fleet:1/MODEL`:
+`scheduler.fleet.routing.Pool`), each with the fixed bound of its own, so one model's saturated
+or failing pool never holds back another model's lines. Controlled, a model's pool takes the limit
+published for it (`limit:fleet/MODEL`), else its deployment's.
+
 The limit is whatever the capacity controller last published for that deployment (it lapses if
 the controller stops), else the configured floor when telemetry is required, else the fixed
 bound (`BACKFILL_MAX_INFLIGHT`, per deployment). The controller may also publish a shed target:
@@ -26,6 +31,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from backfill.scheduler.fleet.routing import Pool
 from backfill.storage.leases import LeaseStore
 
 POOL = "fleet"
@@ -36,12 +42,16 @@ OBS_KEY = "obs:fleet"
 OVERLOAD_STATUS = frozenset({429, 503})
 
 
-def pool_of(deployment: int) -> str:
-    """The lease pool of a deployment (by its index in `BACKFILL_FLEET_URLS`)."""
-    return POOL if deployment == 0 else f"{POOL}:{deployment}"
+def pool_of(deployment: int | Pool, model: str | None = None) -> str:
+    """The lease pool of a deployment (by its index in `BACKFILL_FLEET_URLS`), or of one model's
+    pool on it."""
+    if isinstance(deployment, Pool):
+        return pool_of(deployment.deployment, deployment.model)
+    base = POOL if deployment == 0 else f"{POOL}:{deployment}"
+    return base if model is None else f"{base}/{model}"
 
 
-def limit_key(deployment: int) -> str:
+def limit_key(deployment: int | Pool) -> str:
     return f"limit:{pool_of(deployment)}"
 
 
@@ -140,10 +150,12 @@ class Admission:
         self._last_flush = 0.0
         self._turn = 0
 
-    def limit(self, deployment: int = 0) -> int:
+    def limit(self, deployment: int | Pool = 0) -> int:
         if not self.controlled:
             return self.fixed_limit
         published = self.leases.read(limit_key(deployment))
+        if published is None and isinstance(deployment, Pool) and deployment.model is not None:
+            published = self.leases.read(limit_key(deployment.deployment))  # no controller of its own
         # Fail closed: with no fresh word from the controller, only the floor is released.
         return int(published) if published is not None and published.isdigit() else self.floor
 
@@ -177,8 +189,8 @@ class Admission:
         """Up to n leases of one deployment; waits (polling) up to wait_s for at least one, or
         until `cancel()`."""
 
-        async def only(_: int) -> dict[int, int]:
-            return {deployment: n}
+        async def only(_: int) -> dict[Pool, int]:
+            return {Pool(deployment): n}
 
         return [lease for lease, _ in await self.acquire_spread(n, wait_s=wait_s, cancel=cancel, room=only)]
 
@@ -188,12 +200,13 @@ class Admission:
         *,
         wait_s: float,
         cancel: Callable[[], bool] | None = None,
-        room: Callable[[int], Awaitable[dict[int, int]]] | None = None,
-    ) -> list[tuple[str, int]]:
-        """Up to n leases spread over the deployments: (lease id, deployment) pairs. `room(n)` says
-        how many each deployment may take now (one whose circuit is open: none, or one probe);
-        by default every deployment may take all. Each round asks the deployments in turn for an
-        even share of what is still wanted, so the room one leaves goes to the next. Waits
+        room: Callable[[int], Awaitable[dict[Pool, int]]] | None = None,
+    ) -> list[tuple[str, Pool]]:
+        """Up to n leases spread over the pools: (lease id, pool) pairs. `room(n)` says how many
+        each pool may take now (one whose circuit is open: none, or one probe; a model with no
+        work: none); by default every deployment's plain pool may take all. Each round asks the
+        pools in turn for an even share of what is still wanted, so the room one leaves goes to
+        the next: a pool at its limit takes nothing and the others take its share. Waits
         (polling) up to wait_s for at least one lease, or until `cancel()`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
@@ -207,29 +220,34 @@ class Admission:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
 
-    def _take_round(self, n: int, room: dict[int, int] | None) -> list[tuple[str, int]]:
+    def _take_round(self, n: int, room: dict[Pool, int] | None) -> list[tuple[str, Pool]]:
+        pools = [p for p, k in room.items() if k > 0] if room is not None else [Pool(d) for d in range(self.deployments)]
         start, self._turn = self._turn, self._turn + 1
-        order = [(start + k) % self.deployments for k in range(self.deployments)]
-        if room is not None:
-            order = [d for d in order if room.get(d, 0) > 0]
-        out: list[tuple[str, int]] = []
-        for k, d in enumerate(order):
+        order = [pools[(start + k) % len(pools)] for k in range(len(pools))]
+        out: list[tuple[str, Pool]] = []
+        for k, p in enumerate(order):
             want = math.ceil((n - len(out)) / (len(order) - k))
             if room is not None:
-                want = min(want, room[d])
+                want = min(want, room[p])
             if want <= 0:
                 continue
-            ids = self.leases.acquire(pool_of(d), limit=self.limit(d), n=want, ttl_s=self.ttl_s)
-            out += [(lease, d) for lease in ids]
+            ids = self.leases.acquire(pool_of(p), limit=self.limit(p), n=want, ttl_s=self.ttl_s)
+            out += [(lease, p) for lease in ids]
         return out
 
-    async def release(self, lease_ids: list[str], deployment: int = 0) -> None:
+    async def release(self, lease_ids: list[str], deployment: int | Pool = 0) -> None:
         await asyncio.to_thread(self.leases.release, pool_of(deployment), lease_ids)
 
-    def release_groups(self, by_deployment: dict[int, list[str]]) -> None:
-        """Give back leases of several deployments in one call (`scheduler.capacity.admission`)."""
-        for deployment, lease_ids in by_deployment.items():
-            self.leases.release(pool_of(deployment), lease_ids)
+    def release_groups(self, by_pool: dict[Pool, list[str]]) -> None:
+        """Give back leases of several pools in one call (`scheduler.capacity.admission`)."""
+        for pool, lease_ids in by_pool.items():
+            self.leases.release(pool_of(pool), lease_ids)
+
+    def in_flight(self, deployment: int, models: frozenset[str] | None = None) -> int:
+        """Leases held on a deployment: its plain pool and, given the models it serves, theirs."""
+        return self.leases.count(pool_of(deployment)) + sum(
+            self.leases.count(pool_of(deployment, m)) for m in sorted(models or ())
+        )
 
     def observe(self, obs: Observation, deployment: int = 0) -> None:
         self.logs[deployment if deployment < self.deployments else 0].record(obs)
@@ -269,11 +287,11 @@ class LeaseReturns:
     def __init__(self, admission: Admission, on_store_down: Callable[[str], None]) -> None:
         self.admission = admission
         self.on_store_down = on_store_down
-        self._queued: dict[int, list[str]] = {}  # deployment -> lease ids to give back
+        self._queued: dict[Pool, list[str]] = {}  # pool -> lease ids to give back
         self._pump: asyncio.Task[None] | None = None
 
-    def add(self, lease: str, deployment: int) -> None:
-        self._queued.setdefault(deployment, []).append(lease)
+    def add(self, lease: str, pool: Pool) -> None:
+        self._queued.setdefault(pool, []).append(lease)
         if self._pump is None or self._pump.done():
             self._pump = asyncio.create_task(self._run())
 

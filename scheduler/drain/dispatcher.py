@@ -21,6 +21,7 @@ Faults a drain rides out rather than dies of:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -42,6 +43,7 @@ from backfill.scheduler.drain.shedding import InflightCalls
 from backfill.scheduler.fleet.breaker import BreakerState
 from backfill.scheduler.fleet.client import FleetClient, FleetReply, add_routing_hints
 from backfill.scheduler.fleet.n_expansion import post_request
+from backfill.scheduler.fleet.routing import FleetRoutes, Pool
 from backfill.scheduler.metrics import record_fleet_reply
 from backfill.storage.db import is_transient
 from backfill.storage.leases import LeaseStore
@@ -62,7 +64,9 @@ class Dispatcher:
         leases: LeaseStore,
         admission: Admission,
         fleet: FleetClient,
-        planner: Callable[[int], list[tuple[str, int]]],
+        # planner(n) plans n releases; a planner that also takes `models=` plans among those
+        # models' batches (`scheduler.runtime.Planner`), which routing by model needs.
+        planner: Callable[..., list[tuple[str, int]]],
         max_attempts: int,
         hint_mode: str = "nvext",
         shutdown: threading.Event | None = None,
@@ -71,6 +75,8 @@ class Dispatcher:
         kv_budget_tokens: int | None = None,
         expand_n: bool | None = None,
         escalation: EscalatedRelease | None = None,
+        routes: FleetRoutes | None = None,
+        pending_models: Callable[[], set[str | None]] | None = None,
     ) -> None:
         self.store = store
         self.leases = leases
@@ -84,6 +90,10 @@ class Dispatcher:
         self.kv_budget_tokens = kv_budget_tokens
         self.expand_n = expand_n
         self.escalation = escalation  # escalated lines: beyond the limit, or to overflow
+        # Which deployments serve which model (None: every one serves all), and the models with
+        # work left: leases are taken only in the pools of those models, on deployments serving them.
+        self.routes = routes or FleetRoutes([])
+        self.pending_models = pending_models or (lambda: {None})
         self.shutdown = shutdown or threading.Event()
         self.grace_s = grace_s
         self.db_patience_s = db_patience_s
@@ -95,7 +105,8 @@ class Dispatcher:
         self._inflight: set[asyncio.Task[None]] = set()
         self._calls = InflightCalls(admission, leases, self._lease_store_down)  # what a shed may abort
         self._returns = LeaseReturns(admission, self._lease_store_down)  # freed leases, given back in groups
-        self._on: Counter[int] = Counter()  # this drain's lines in hand, per deployment
+        self._on: Counter[Pool] = Counter()  # this drain's lines in hand, per pool
+        self._models: set[str | None] = {None}  # the models with work left, as last planned
         self._stop_seen_at: float | None = None
         self._leases_down_since: float | None = None
         self._claim_in_doubt = False  # a claim failed on the connection: it may have committed
@@ -192,6 +203,14 @@ class Dispatcher:
             if self.escalation is not None:
                 await self._release_escalated()
             try:
+                await asyncio.to_thread(self.routes.refresh)
+                self._models = await asyncio.to_thread(self.pending_models)
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                self.recorder.unreachable(exc)
+                continue
+            try:
                 leases = await self.admission.acquire_spread(
                     CLAIM_GROUP, wait_s=0.5, cancel=self._stopping, room=self._room
                 )
@@ -203,13 +222,7 @@ class Dispatcher:
             if not leases:
                 continue
             try:
-                claimed = await asyncio.to_thread(
-                    claim_lines,
-                    self.planner,
-                    len(leases),
-                    holder=self.holder,
-                    kv_budget_tokens=self.kv_budget_tokens,
-                )
+                claimed, leases, spare = await asyncio.to_thread(self._claim, leases)
             except RedisError:  # the planner reads the published rate
                 await self._give_back(leases)
                 self._lease_store_down("planning")
@@ -223,7 +236,7 @@ class Dispatcher:
                 self.recorder.unreachable(exc)
                 continue
             if not claimed:
-                await self._give_back(leases)
+                await self._give_back(spare)
                 idle_rounds += 1
                 if idle_rounds >= 3 and not self._inflight:
                     return  # nothing to do: the scheduler starts another drain when work arrives
@@ -232,12 +245,32 @@ class Dispatcher:
                 await asyncio.sleep(min(0.1 * idle_rounds, 0.1 if self._inflight else 1.0))
                 continue
             idle_rounds = 0
-            await self._give_back(leases[len(claimed) :])
+            await self._give_back(spare)
             if not await self._launch(claimed, leases):
                 await asyncio.sleep(1.0)
 
+    def _claim(
+        self, leases: list[tuple[str, Pool]]
+    ) -> tuple[list[ClaimedRequest], list[tuple[str, Pool]], list[tuple[str, Pool]]]:
+        """Claim lines for the leases, pool by pool: a pool's leases carry only lines of the
+        models it serves, planned on those models' fair share. Returns the lines, the leases
+        they take (in the same order) and the leases left over."""
+        groups: dict[frozenset[str] | None, list[tuple[str, Pool]]] = {}
+        for lease in leases:
+            groups.setdefault(self.routes.claimable(lease[1]), []).append(lease)
+        claimed: list[ClaimedRequest] = []
+        used: list[tuple[str, Pool]] = []
+        spare: list[tuple[str, Pool]] = []
+        for models, group in groups.items():
+            planner = self.planner if models is None else functools.partial(self.planner, models=models)
+            got = claim_lines(planner, len(group), holder=self.holder, kv_budget_tokens=self.kv_budget_tokens)
+            claimed += got
+            used += group[: len(got)]
+            spare += group[len(got) :]
+        return claimed, used, spare
+
     async def _launch(
-        self, claimed: list[ClaimedRequest], leases: list[tuple[str, int]], *, escalated: bool = False
+        self, claimed: list[ClaimedRequest], leases: list[tuple[str, Pool]], *, escalated: bool = False
     ) -> bool:
         """Read the claimed lines' bodies and send each under its lease; False (the lines
         requeued, their leases given back) when the object store failed the read."""
@@ -249,11 +282,11 @@ class Dispatcher:
             for request in claimed:
                 await self.recorder.put(Done(request, None))
             return False
-        for request, (lease, deployment) in zip(claimed, leases, strict=False):
-            self._held[lease] = pool_of(deployment)
-            self._on[deployment] += 1
+        for request, (lease, pool) in zip(claimed, leases, strict=False):
+            self._held[lease] = pool_of(pool)
+            self._on[pool] += 1
             task = asyncio.create_task(
-                self._send(request, lease, deployment, bodies[(request.batch_id, request.line)], escalated=escalated)
+                self._send(request, lease, pool, bodies[(request.batch_id, request.line)], escalated=escalated)
             )
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
@@ -267,7 +300,9 @@ class Dispatcher:
         except (RedisError, OSError):
             return  # the breakers cannot be read: escalated lines wait for the next round
         try:
-            taken = await self.escalation.take(CLAIM_GROUP, holder=self.holder, states=states, held=dict(self._on))
+            taken = await self.escalation.take(
+                CLAIM_GROUP, holder=self.holder, states=states, held=self._on_deployments(), routes=self.routes
+            )
         except RedisError:
             self._lease_store_down("taking escalated leases")
             return
@@ -278,7 +313,7 @@ class Dispatcher:
             self.recorder.unreachable(exc)
             return
         if taken:
-            await self._launch([r for r, _, _ in taken], [(lease, d) for _, lease, d in taken], escalated=True)
+            await self._launch([r for r, _, _ in taken], [(lease, Pool(d)) for _, lease, d in taken], escalated=True)
 
     async def _finish_inflight(self) -> None:
         """Wait for the requests in flight; once stopping, only until shortly before the grace
@@ -292,18 +327,31 @@ class Dispatcher:
                 return
             await asyncio.wait(self._inflight, timeout=0.1)
 
-    async def _give_back(self, leases: list[tuple[str, int]]) -> None:
-        for lease, deployment in leases:
-            self._returns.add(lease, deployment)
+    async def _give_back(self, leases: list[tuple[str, Pool]]) -> None:
+        for lease, pool in leases:
+            self._returns.add(lease, pool)
 
-    async def _room(self, n: int) -> dict[int, int]:
-        """Leases each deployment may give this drain now: all it wants while its circuit is closed;
-        else one (to wait for the probe with) unless it has a line there already."""
+    def _on_deployments(self) -> dict[int, int]:
+        held: Counter[int] = Counter()
+        for pool, k in self._on.items():
+            held[pool.deployment] += k
+        return dict(held)
+
+    async def _room(self, n: int) -> dict[Pool, int]:
+        """Leases each pool may give this drain now: the pools of the fleet's deployments for the
+        models with work left, on the deployments serving them (a model without work takes none,
+        so the claims never wait on it): all it wants while its circuit is closed; else one (to
+        wait for the probe with) unless it has a line there already."""
         try:
             states = await self.fleet.states()
         except (RedisError, OSError):  # Redis away: the breakers decide locally when a line is sent
             states = [BreakerState.closed] * self.fleet.deployments
-        return {d: n if state is BreakerState.closed else (0 if self._on[d] else 1) for d, state in enumerate(states)}
+        pools = self.routes.pools(range(self.admission.deployments), self._models)
+        return {
+            p: n if states[p.deployment] is BreakerState.closed else (0 if self._on[p] else 1)
+            for p in pools
+            if p.deployment < len(states)
+        }
 
     def _lease_store_down(self, what: str) -> None:  # logs an outage's first failure only
         if self._leases_down_since is None:
@@ -316,8 +364,9 @@ class Dispatcher:
             self._leases_down_since = None
 
     async def _send(
-        self, request: ClaimedRequest, lease: str, deployment: int, raw: bytes, *, escalated: bool = False
+        self, request: ClaimedRequest, lease: str, pool: Pool, raw: bytes, *, escalated: bool = False
     ) -> None:
+        deployment = pool.deployment
         answer: Answer | None = None  # None: aborted, the line goes back to pending
         call: asyncio.Task[FleetReply] | None = None
         try:
@@ -358,8 +407,8 @@ class Dispatcher:
             if call is not None:
                 self._calls.discard(call)
             self._held.pop(lease, None)
-            self._on[deployment] -= 1
-            self._returns.add(lease, deployment)
+            self._on[pool] -= 1
+            self._returns.add(lease, pool)
         await self.recorder.put(Done(request, answer))
 
     def _observe(self, reply: FleetReply, answer: Answer, deployment: int) -> None:

@@ -35,6 +35,7 @@ from backfill.jobs.sweeps import PendingBatch
 from backfill.scheduler.capacity.admission import Admission, pool_of
 from backfill.scheduler.drain.claiming import claim_lines
 from backfill.scheduler.fleet.breaker import BreakerState
+from backfill.scheduler.fleet.routing import FleetRoutes
 from backfill.storage.leases import LeaseStore
 
 DEFAULT_REQUEST_TOKENS = 1000
@@ -240,6 +241,7 @@ class EscalatedRelease:
         escalated: Callable[[], dict[str, Escalation]],
         relaxed_plan: Plan,
         overflow_plan: Plan,
+        model_of: Callable[[str], str | None] | None = None,
     ) -> None:
         self.admission = admission
         self.leases = leases
@@ -247,21 +249,54 @@ class EscalatedRelease:
         self.escalated = escalated
         self.relaxed_plan = relaxed_plan
         self.overflow_plan = overflow_plan
+        self.model_of = model_of  # a batch's model, so its lines go only where it is served
 
     def is_overflow(self, deployment: int) -> bool:
         return deployment >= self.admission.deployments
 
     async def take(
-        self, want: int, *, holder: str, states: list[BreakerState], held: dict[int, int]
+        self,
+        want: int,
+        *,
+        holder: str,
+        states: list[BreakerState],
+        held: dict[int, int],
+        routes: FleetRoutes | None = None,
     ) -> list[tuple[ClaimedRequest, str, int]]:
         """Up to `want` escalated lines with their leases: (line, lease, deployment). `states`:
-        each deployment's circuit (fleet, then overflow); `held`: this drain's lines per deployment."""
+        each deployment's circuit (fleet, then overflow); `held`: this drain's lines per deployment;
+        `routes`: which deployments (overflow ones too) serve which model."""
         escalations = await asyncio.to_thread(self.escalated)
         if not escalations:
             return []
-        out = await self._round(want, holder, self.relaxed_plan, self._relaxed_room(states, held))
+        out = await self._by_model(want, holder, self.relaxed_plan, self._relaxed_room(states, held), routes, escalations)
         if any(e.overflow_lines for e in escalations.values()) and self.limits.overflow_deployments:
-            out += await self._round(want, holder, self.overflow_plan, self._overflow_room(states, held))
+            room = self._overflow_room(states, held)
+            out += await self._by_model(want, holder, self.overflow_plan, room, routes, escalations)
+        return out
+
+    async def _by_model(
+        self,
+        want: int,
+        holder: str,
+        plan: Plan,
+        limits: dict[int, int],
+        routes: FleetRoutes | None,
+        escalations: Mapping[str, Escalation],
+    ) -> list[tuple[ClaimedRequest, str, int]]:
+        """A round per model of the escalated batches, on the deployments serving it."""
+        model_of = self.model_of
+        if routes is None or model_of is None:
+            return await self._round(want, holder, plan, limits)
+        out: list[tuple[ClaimedRequest, str, int]] = []
+        for model in sorted({model_of(b) for b in escalations}, key=lambda m: m or ""):
+            served = {d: limit for d, limit in limits.items() if routes.serves(d, model)}
+
+            def of_model(n: int, model: str | None = model) -> list[tuple[str, int]]:
+                return [(b, k) for b, k in plan(n) if model_of(b) == model]
+
+            if served and len(out) < want:
+                out += await self._round(want - len(out), holder, of_model, served)
         return out
 
     def _relaxed_room(self, states: list[BreakerState], held: dict[int, int]) -> dict[int, int]:

@@ -29,6 +29,7 @@ import redis.asyncio
 
 from backfill.jobs.errors import error_bytes
 from backfill.scheduler.fleet.breaker import Breaker, BreakerPolicy, BreakerState, Permit, SharedBreaker, local_breaker
+from backfill.scheduler.fleet.routing import FleetRoutes
 
 log = logging.getLogger("backfill.fleet")
 
@@ -87,6 +88,7 @@ class FleetClient:
         open_wait_s: float = 15.0,
         overflow_urls: list[str] | None = None,
         overflow_api_key: str = "",
+        routes: FleetRoutes | None = None,
     ) -> None:
         """`timeout_s` bounds a whole exchange (a long generation may take minutes before its
         first byte); once the headers are in, the body must keep flowing: a read that brings
@@ -106,6 +108,9 @@ class FleetClient:
             if (key := api_key if i < len(urls) else overflow_api_key)
         }
         self._turn = itertools.count()
+        # Which deployments serve which model: a call not pinned to a deployment fails over only
+        # among those serving its body's model (None: every deployment serves every model).
+        self.routes = routes
         self._asking: dict[int, asyncio.Future[Permit]] = {}  # a breaker's question in flight
         self._timeout_s = timeout_s
         self._body_idle_s = min(body_idle_timeout_s, timeout_s)
@@ -155,6 +160,9 @@ class FleetClient:
         # Overflow deployments take only the calls sent to them by index.
         everyone = set(range(len(self._urls)))
         refused = everyone - set(range(self.fleet_deployments)) if deployment is None else everyone - {deployment}
+        if deployment is None and self.routes is not None:
+            model = body.get("model")
+            refused |= {i for i in everyone if not self.routes.serves(i, model if isinstance(model, str) else None)}
         last: FleetReply | None = None
         while True:
             picked, wait_s = await self._pick(skip=refused)

@@ -13,6 +13,7 @@ from backfill.scheduler.capacity.admission import Admission, limit_key, pool_of,
 from backfill.scheduler.capacity.controller import CapacityLoop, FleetCapacityLoop
 from backfill.scheduler.capacity.law import ControlConfig, Controller, Slo
 from backfill.scheduler.capacity.telemetry import FleetSnapshot
+from backfill.scheduler.fleet.routing import Pool
 from backfill.storage.leases import RedisLeaseStore
 from tests.scheduler.test_capacity import snap
 
@@ -57,8 +58,8 @@ def test_a_busy_deployment_does_not_throttle_an_idle_one(redis_url: str) -> None
                 gone, held[d] = held[d][target:], held[d][:target]
                 leases.release(pool_of(d), gone)
         before = {d: leases.count(pool_of(d)) for d in (0, 1)}
-        for lease, d in asyncio.run(admission.acquire_spread(200, wait_s=0.0)):
-            held[d].append(lease)
+        for lease, pool in asyncio.run(admission.acquire_spread(200, wait_s=0.0)):
+            held[pool.deployment].append(lease)
         for d in (0, 1):
             # Each deployment's in-flight stays within its own limit (or what it held before a cut).
             assert leases.count(pool_of(d)) <= max(admission.limit(d), before[d]), (step, d)
@@ -79,13 +80,13 @@ def test_leases_spread_over_deployments_and_skip_an_open_circuit(redis_url: str)
 
     async def go() -> None:
         got = await admission.acquire_spread(12, wait_s=0.0)
-        assert sorted(d for _, d in got) == [0] * 4 + [1] * 4 + [2] * 4  # an even share each
+        assert sorted(p.deployment for _, p in got) == [0] * 4 + [1] * 4 + [2] * 4  # an even share each
 
-        async def a_open(n: int) -> dict[int, int]:
-            return {0: 0, 1: n, 2: n}
+        async def a_open(n: int) -> dict[Pool, int]:
+            return {Pool(0): 0, Pool(1): n, Pool(2): n}
 
         more = await admission.acquire_spread(40, wait_s=0.0, room=a_open)
-        assert {d for _, d in more} == {1, 2} and len(more) == 12  # each up to its own limit of 10
+        assert {p.deployment for _, p in more} == {1, 2} and len(more) == 12  # each up to its own limit of 10
         assert [leases.count(pool_of(d)) for d in range(3)] == [4, 10, 10]
 
     asyncio.run(go())
