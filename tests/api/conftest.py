@@ -14,22 +14,10 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from backfill.storage.process_state import reset as reset_process_state
 from tests.api.own_openapi import check_response
 
 UNREACHABLE_FLEET = "http://127.0.0.1:9/v1"  # the discard port: nothing listens, connects fail at once
-
-
-def _clear_caches() -> None:
-    from backfill.storage import fleet_models as catalog
-    from backfill.storage.db import _session_factory, get_engine
-    from backfill.storage.objects import get_object_store
-    from backfill.storage.settings import get_settings
-
-    if get_engine.cache_info().currsize:
-        get_engine().dispose()
-    for cached in (get_settings, get_engine, _session_factory, get_object_store):
-        cached.cache_clear()
-    catalog._catalog = None
 
 
 @dataclass(frozen=True)
@@ -59,7 +47,7 @@ def api_env(scratch_pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPa
         mp.setenv("BACKFILL_BOOTSTRAP_API_KEY", "")
         mp.setenv("BACKFILL_COMPLETION_WINDOWS", "24h,1h")
         mp.setenv("BACKFILL_RATE_LIMIT", "off")  # its own tests: tests/api/test_ratelimit.py
-        _clear_caches()
+        reset_process_state()
         import backfill.storage.broker
 
         # The broker's app is built when `backfill.storage.broker` is first imported, from the settings of
@@ -72,7 +60,7 @@ def api_env(scratch_pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPa
             yield env
         finally:
             celery_app.close()
-            _clear_caches()
+            reset_process_state()
 
 
 class CheckedClient(TestClient):

@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
+from backfill.storage.process_state import reset as reset_process_state
 from tests.api.test_upload import api_key, build_app
 from tests.api.test_upload import service as service  # the fixture: env and caches for an in-process server
 
@@ -95,19 +96,18 @@ def test_backfill_api_trusts_the_configured_proxies(monkeypatch: pytest.MonkeyPa
     import uvicorn
 
     from backfill.cli import app
-    from backfill.storage.settings import get_settings
 
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: calls.append(kwargs))
     monkeypatch.setenv("BACKFILL_FORWARDED_ALLOW_IPS", "10.42.0.0/16,192.0.2.7")
-    get_settings.cache_clear()
+    reset_process_state()
     try:
         result = CliRunner().invoke(app, ["api"])
         monkeypatch.setenv("BACKFILL_FORWARDED_ALLOW_IPS", "")
-        get_settings.cache_clear()
+        reset_process_state()
         unset = CliRunner().invoke(app, ["api"])
     finally:
-        get_settings.cache_clear()
+        reset_process_state()
     assert result.exit_code == 0 and unset.exit_code == 0, (result.output, unset.output)
     assert calls[0]["forwarded_allow_ips"] == "10.42.0.0/16,192.0.2.7" and calls[0]["proxy_headers"] is True
     # Unset: uvicorn's own default (loopback only, or its FORWARDED_ALLOW_IPS variable).

@@ -14,28 +14,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from backfill.api.access_log import AccessLog
+from backfill.storage.process_state import reset as reset_process_state
 from tests.api.conftest import ApiEnv, CheckedClient, Team
 from tests.api.test_batches import create
 
 CLOSED_PORT_DB = "postgresql+psycopg://postgres@127.0.0.1:9/nothing"  # the discard port: refused at once
 
 
-def _clear_caches() -> None:
-    from backfill.storage.db import _session_factory, get_engine
-    from backfill.storage.objects import get_object_store
-    from backfill.storage.settings import get_settings
-
-    if get_engine.cache_info().currsize:
-        get_engine().dispose()
-    for cached in (get_settings, get_engine, _session_factory, get_object_store):
-        cached.cache_clear()
-
-
 @pytest.fixture
 def settings_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
     """Change settings for one test; the next test builds them again from the package's env."""
     yield monkeypatch
-    _clear_caches()
+    reset_process_state()
 
 
 def _unlisted(api: CheckedClient, path: str, **kwargs: Any) -> Any:
@@ -79,7 +69,7 @@ def test_metrics_parse_and_carry_the_families(api: CheckedClient, team: Team) ->
 
 def test_metrics_ask_for_the_token_when_one_is_set(api: CheckedClient, settings_env: pytest.MonkeyPatch) -> None:
     settings_env.setenv("BACKFILL_METRICS_TOKEN", "scrape-token-0123456789")
-    _clear_caches()
+    reset_process_state()
     assert _unlisted(api, "/metrics").status_code == 401
     assert _unlisted(api, "/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
     ok = _unlisted(api, "/metrics", headers={"Authorization": "Bearer scrape-token-0123456789"})
@@ -88,7 +78,7 @@ def test_metrics_ask_for_the_token_when_one_is_set(api: CheckedClient, settings_
 
 def test_ready_checks_every_dependency(api: CheckedClient, api_env: ApiEnv, settings_env: pytest.MonkeyPatch) -> None:
     settings_env.setenv("BACKFILL_REDIS_URL", api_env.redis_url)
-    _clear_caches()
+    reset_process_state()
     r = api.get("/ready")
     assert r.status_code == 200, r.text
     body = r.json()
@@ -106,7 +96,7 @@ def test_ready_checks_every_dependency(api: CheckedClient, api_env: ApiEnv, sett
 
 def test_ready_names_the_database_when_it_is_down(api: CheckedClient, settings_env: pytest.MonkeyPatch) -> None:
     settings_env.setenv("BACKFILL_DATABASE_URL", CLOSED_PORT_DB)
-    _clear_caches()
+    reset_process_state()
     r = api.get("/ready")
     assert r.status_code == 503, r.text
     body = r.json()
@@ -121,7 +111,7 @@ def test_ready_tells_what_went_wrong_only_to_an_admin(
 ) -> None:
     # The broker's URL carries a host, a user and a password: the error text would show some.
     settings_env.setenv("BACKFILL_BROKER_URL", "redis://svc-user:hunter2-secret@127.0.0.1:9/0")
-    _clear_caches()
+    reset_process_state()
     anonymous, as_team = api.get("/ready"), api.get("/ready", headers=team.headers)
     for r in (anonymous, as_team):
         assert r.status_code == 503 and r.json()["failed"] == ["broker"], r.text
@@ -136,7 +126,7 @@ def test_ready_tells_what_went_wrong_only_to_an_admin(
 
     # Only the configured admin key counts on /ready (never a database lookup): so also while the database is down.
     settings_env.setenv("BACKFILL_DATABASE_URL", CLOSED_PORT_DB)
-    _clear_caches()
+    reset_process_state()
     assert api.get("/ready").json()["checks"]["database"]["error"] is None
     admin = api.get("/ready", headers={"Authorization": f"Bearer {api_env.admin_key}"})
     assert "OperationalError" in admin.json()["checks"]["database"]["error"], admin.text

@@ -22,7 +22,7 @@ from sqlalchemy import create_engine
 from backfill.jobs.execution.replies import Outcome, Usage
 from backfill.jobs.output import pages as output_pages
 from backfill.storage import db as storage_db
-from backfill.storage import settings
+from backfill.storage.process_state import reset as reset_process_state
 from tests.api.conftest import ApiEnv, CheckedClient, Team
 from tests.api.test_partial_output import LINES, _record, _running_batch
 
@@ -42,8 +42,7 @@ def server(api_env: ApiEnv, api: CheckedClient, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(
         storage_db, "make_engine", lambda url: create_engine(url, pool_size=POOL, max_overflow=0, pool_timeout=10)
     )
-    for cached in (settings.get_settings, storage_db.get_engine, storage_db._session_factory):
-        cached.cache_clear()
+    reset_process_state()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     config = uvicorn.Config(create_app(), log_level="warning", lifespan="off")
@@ -61,8 +60,7 @@ def server(api_env: ApiEnv, api: CheckedClient, monkeypatch: pytest.MonkeyPatch)
         thread.join(30)
         storage_db.get_engine().dispose()
         monkeypatch.undo()
-        for cached in (settings.get_settings, storage_db.get_engine, storage_db._session_factory):
-            cached.cache_clear()
+        reset_process_state()
 
 
 def _stalled_download(address: str, path: str, key: str) -> socket.socket:

@@ -30,6 +30,7 @@ from backfill.jobs.files import MAX_FILENAME_CHARS
 from backfill.jobs.models import File
 from backfill.jobs.teams import create_key, get_or_create_team
 from backfill.storage.db import unit_of_work
+from backfill.storage.process_state import reset as reset_process_state
 
 MAX_FILE_BYTES = 1024 * 1024
 BOUNDARY = b"backfill-test-7MA4YWxkTrZu0gW"
@@ -49,10 +50,7 @@ def reset_process_caches() -> None:
 
     if backfill.storage.db.get_engine.cache_info().currsize:
         backfill.storage.db.get_engine().dispose()
-    for module in (backfill.storage.settings, backfill.storage.db, backfill.storage.objects):
-        for value in list(vars(module).values()):
-            if getattr(value, "__module__", None) == module.__name__ and callable(getattr(value, "cache_clear", None)):
-                value.cache_clear()
+    reset_process_state()
 
 
 @dataclass

@@ -15,6 +15,7 @@ import pytest
 from backfill.jobs.errors import InvalidRequest
 from backfill.jobs.webhooks.targets import REFUSED, TargetPolicy, TargetRefused, check_url_target, literal_address
 from backfill.scheduler.webhook_delivery import PinnedPoster
+from backfill.storage.process_state import reset as reset_process_state
 
 PRODUCTION = TargetPolicy()
 
@@ -109,17 +110,15 @@ def test_registration_refuses_non_public_urls(url: str, monkeypatch: pytest.Monk
 
 
 def _reload_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    from backfill.storage.settings import get_settings
 
-    get_settings.cache_clear()
+    reset_process_state()
 
 
 @pytest.fixture(autouse=True)
 def _fresh_settings() -> Iterator[None]:
-    from backfill.storage.settings import get_settings
 
     yield
-    get_settings.cache_clear()
+    reset_process_state()
 
 
 def test_a_name_is_refused_if_any_address_it_resolves_to_is_private() -> None:

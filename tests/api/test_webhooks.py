@@ -25,6 +25,7 @@ from backfill.jobs.webhooks.events import (
 )
 from backfill.jobs.webhooks.models import WebhookDelivery, WebhookEvent
 from backfill.storage.db import unit_of_work
+from backfill.storage.process_state import reset as reset_process_state
 from tests.api.conftest import CheckedClient, Team
 from tests.api.test_batches import create
 
@@ -198,14 +199,13 @@ def test_unknown_ids_answer_404(api: CheckedClient, team: Team) -> None:
 @pytest.fixture
 def production(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The API's settings as in production for one test (the package runs in development)."""
-    from backfill.storage.settings import get_settings
 
     monkeypatch.setenv("BACKFILL_ENVIRONMENT", "production")
     monkeypatch.setenv("BACKFILL_WEBHOOK_ALLOWED_HOSTS", "")
-    get_settings.cache_clear()
+    reset_process_state()
     yield
     monkeypatch.undo()
-    get_settings.cache_clear()
+    reset_process_state()
 
 
 @pytest.mark.parametrize(

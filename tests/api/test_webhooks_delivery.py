@@ -32,18 +32,18 @@ from backfill.jobs.webhooks.events import (
 from backfill.jobs.webhooks.models import DeliveryStatus, WebhookDelivery, WebhookEndpoint, WebhookEvent
 from backfill.jobs.webhooks.targets import REFUSED, TargetPolicy
 from backfill.scheduler.webhook_delivery import WebhookSender
+from backfill.storage.process_state import reset as reset_process_state
 
 
 @pytest.fixture(autouse=True)
 def _development(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """These receivers listen on loopback, which development allows (production refuses it)."""
-    from backfill.storage.settings import get_settings
 
     monkeypatch.setenv("BACKFILL_ENVIRONMENT", "development")
-    get_settings.cache_clear()
+    reset_process_state()
     yield
     monkeypatch.undo()
-    get_settings.cache_clear()
+    reset_process_state()
 
 
 @dataclass

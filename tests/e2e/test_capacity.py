@@ -21,14 +21,14 @@ import httpx
 import orjson
 import pytest
 
-from backfill.devfleet.services import create_database, drop_database
 from backfill.scheduler.capacity.admission import LIMIT_KEY, POOL, Admission
 from backfill.scheduler.capacity.controller import CapacityLoop
 from backfill.scheduler.capacity.law import ControlConfig, Controller, Decision, Slo
 from backfill.scheduler.capacity.telemetry import FleetTelemetry
 from backfill.storage.leases import RedisLeaseStore
 from backfill.storage.settings import MetricsEndpoint as Endpoint
-from tests.conftest import PG_ADMIN_URL, ROOT
+from tests.conftest import ROOT
+from tests.process_env import scratch_database
 
 pytestmark = pytest.mark.e2e
 
@@ -59,31 +59,8 @@ def busy_fleet() -> Iterator[Any]:
 def db(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A database of its own (the session stack's drains must not pick these batches up), used
     in-process through the usual settings."""
-    from backfill.storage import db as storage_db
-    from backfill.storage import objects, settings
-
-    name = f"backfill_capacity_{secrets.token_hex(4)}"
-    url = create_database(PG_ADMIN_URL, name)
-    env = {"BACKFILL_DATABASE_URL": url, "BACKFILL_HOME": str(tmp_path_factory.mktemp("capacity-home"))}
-    saved = {k: os.environ.get(k) for k in env}
-
-    def reset() -> None:
-        settings.get_settings.cache_clear()
-        storage_db.get_engine.cache_clear()
-        storage_db._session_factory.cache_clear()
-        objects.get_object_store.cache_clear()
-
-    os.environ.update(env)
-    reset()
-    yield url
-    storage_db.get_engine().dispose()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    reset()
-    drop_database(PG_ADMIN_URL, name)
+    with scratch_database("backfill_capacity", tmp_path_factory.mktemp("capacity-home")) as url:
+        yield url
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from backfill.jobs.execution.claims import claim_requests
 from backfill.jobs.execution.replies import Outcome, Usage
 from backfill.jobs.execution.results import record_outcome
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, File, Team
-from backfill.storage.settings import get_settings
+from backfill.storage.process_state import reset as reset_process_state
 
 WINDOWS = {"24h": 86400, "7d": 7 * 86400}
 USAGE = Usage(1000, 0, 100, 0)  # 1000 input at $1/M + 100 output at $4/M, half off: 700 micros at 1x
@@ -32,10 +32,10 @@ def set_multipliers(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str],
 
     def change(value: str) -> None:
         monkeypatch.setenv("BACKFILL_WINDOW_PRICE_MULTIPLIERS", value)
-        get_settings.cache_clear()
+        reset_process_state()
 
     yield change
-    get_settings.cache_clear()
+    reset_process_state()
 
 
 def _batch(s: Session, window: str, lines: int) -> str:

@@ -21,6 +21,7 @@ from backfill.jobs.execution.claims import claim_requests
 from backfill.jobs.execution.replies import Outcome, Usage
 from backfill.jobs.execution.results import record_outcome
 from backfill.jobs.models import Team
+from backfill.storage.process_state import reset as reset_process_state
 from backfill.storage.settings import get_settings
 from tests.factories import make_batch
 
@@ -32,9 +33,9 @@ MULTIPLIERS = {"1h": Decimal(2), "4h": Decimal("1.5"), "7d": Decimal("0.6")}
 def multipliers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """What `create_batch` stores on a batch: the process's settings."""
     monkeypatch.setenv("BACKFILL_WINDOW_PRICE_MULTIPLIERS", "1h=2,4h=1.5,7d=0.6")
-    get_settings.cache_clear()
+    reset_process_state()
     yield
-    get_settings.cache_clear()  # before the variable is restored, so the next reader sees it
+    reset_process_state()  # before the variable is restored, so the next reader sees it
 
 
 def _general(s: Session, model: str = "m") -> Price:

@@ -20,6 +20,7 @@ from backfill.scheduler.leadership import (
     lead_while_leader,
 )
 from backfill.storage.leases import LeaseStore, RedisLeaseStore, SqlLeaseStore
+from backfill.storage.process_state import reset as reset_process_state
 
 REDIS = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379") + "/10"
 TTL_S = 3.0  # seconds, not fractions: a loaded machine's SQLite commit must not outlast it
@@ -39,12 +40,10 @@ def make(
         yield redis_replica
         return
     from backfill.migrate import upgrade
-    from backfill.storage import db, settings
 
     monkeypatch.setenv("BACKFILL_HOME", str(tmp_path_factory.mktemp("leader")))
     monkeypatch.delenv("BACKFILL_DATABASE_URL", raising=False)
-    for cached in (settings.get_settings, db.get_engine, db._session_factory):
-        cached.cache_clear()
+    reset_process_state()
     upgrade()
 
     def sql_replica() -> tuple[LeaderLease, LeaseStore]:
@@ -52,8 +51,7 @@ def make(
         return SqlLeaderLease(store, ttl_s=TTL_S), store
 
     yield sql_replica
-    for cached in (settings.get_settings, db.get_engine, db._session_factory):
-        cached.cache_clear()
+    reset_process_state()
 
 
 def test_one_leader_until_it_stops_renewing(make: Callable[[], tuple[LeaderLease, LeaseStore]]) -> None:

@@ -4,7 +4,6 @@ drains that are alive and lets no lease be granted on top of theirs."""
 
 from __future__ import annotations
 
-import os
 import secrets
 import time
 import uuid
@@ -14,48 +13,23 @@ from datetime import timedelta
 import orjson
 import pytest
 
-from backfill.devfleet.services import create_database, drop_database
 from backfill.jobs.execution.results import ATTEMPTS_EXCEEDED
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, RequestState, Team, utcnow
 from backfill.scheduler.drain.dispatcher import DRAIN_POOL
 from backfill.scheduler.ticker import Reconciler, Ticker
-from backfill.storage import db as storage_db
-from backfill.storage import objects, settings
 from backfill.storage.broker import TaskName
 from backfill.storage.db import unit_of_work
 from backfill.storage.leases import RedisLeaseStore, SqlLeaseStore
-
-PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-
-
-def _reset_caches() -> None:
-    settings.get_settings.cache_clear()
-    storage_db.get_engine.cache_clear()
-    storage_db._session_factory.cache_clear()
-    objects.get_object_store.cache_clear()
+from tests.process_env import scratch_database
 
 
 @pytest.fixture(scope="module")
 def scratch_db(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A database of its own, used in-process through the usual settings (the code under test
     opens its own units of work); objects in a local directory."""
-    name = f"backfill_faults_{secrets.token_hex(4)}"
-    url = create_database(PG_ADMIN_URL, name)
-    env = {"BACKFILL_DATABASE_URL": url, "BACKFILL_HOME": str(tmp_path_factory.mktemp("faults-home"))}
-    saved = {k: os.environ.get(k) for k in (*env, "BACKFILL_S3_ENDPOINT_URL", "BACKFILL_REDIS_URL")}
-    os.environ.pop("BACKFILL_S3_ENDPOINT_URL", None)
-    os.environ.pop("BACKFILL_REDIS_URL", None)
-    os.environ.update(env)
-    _reset_caches()
-    yield url
-    storage_db.get_engine().dispose()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    _reset_caches()
-    drop_database(PG_ADMIN_URL, name)
+    unset: dict[str, str | None] = {"BACKFILL_S3_ENDPOINT_URL": None, "BACKFILL_REDIS_URL": None}
+    with scratch_database("backfill_faults", tmp_path_factory.mktemp("faults-home"), **unset) as url:
+        yield url
 
 
 def running_batch(lines: int, *, token: str | None = None, attempts: int = 0) -> str:

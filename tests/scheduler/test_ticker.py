@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import secrets
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 
@@ -11,45 +9,21 @@ import pytest
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from backfill.devfleet.services import create_database, drop_database
 from backfill.jobs import sweeps
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
 from backfill.scheduler.ticker import Ticker
-from backfill.storage import db as storage_db
-from backfill.storage import objects, settings
 from backfill.storage.broker import TaskName
 from backfill.storage.db import unit_of_work
 from backfill.storage.leases import SqlLeaseStore
-
-PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+from tests.process_env import scratch_database
 
 
 @pytest.fixture(scope="module")
 def scratch_db(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A database of its own, used in-process through the usual settings (the ticker opens its
     own units of work)."""
-    name = f"backfill_ticker_{secrets.token_hex(4)}"
-    url = create_database(PG_ADMIN_URL, name)
-    env = {"BACKFILL_DATABASE_URL": url, "BACKFILL_HOME": str(tmp_path_factory.mktemp("ticker-home"))}
-    saved = {k: os.environ.get(k) for k in env}
-
-    def reset() -> None:
-        settings.get_settings.cache_clear()
-        storage_db.get_engine.cache_clear()
-        storage_db._session_factory.cache_clear()
-        objects.get_object_store.cache_clear()
-
-    os.environ.update(env)
-    reset()
-    yield url
-    storage_db.get_engine().dispose()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    reset()
-    drop_database(PG_ADMIN_URL, name)
+    with scratch_database("backfill_ticker", tmp_path_factory.mktemp("ticker-home")) as url:
+        yield url
 
 
 def _batch(team_id: str, status: BatchStatus, *, age_s: float = 0.0, expires_in_s: float = 3600, lines: int = 0) -> str:

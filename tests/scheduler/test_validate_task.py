@@ -13,6 +13,7 @@ from sqlalchemy import select
 
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, File, utcnow
 from backfill.jobs.teams import get_or_create_team
+from backfill.storage.process_state import reset as reset_process_state
 
 
 def _lines(n: int) -> bytes:
@@ -24,18 +25,7 @@ def _lines(n: int) -> bytes:
 
 
 def _reset() -> None:
-    from backfill.storage import fleet_models as catalog
-    from backfill.storage import leases
-    from backfill.storage.db import _session_factory, get_engine
-    from backfill.storage.objects import get_object_store
-    from backfill.storage.settings import get_settings
-
-    if get_engine.cache_info().currsize:
-        get_engine().dispose()
-    for cached in (get_settings, get_engine, _session_factory, get_object_store):
-        cached.cache_clear()
-    catalog._catalog = None
-    leases._store = None
+    reset_process_state()
 
 
 @pytest.fixture
