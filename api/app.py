@@ -17,7 +17,19 @@ from backfill.api.access_log import AccessLog
 from backfill.api.errors import install_error_handlers
 from backfill.api.limits import BodyLimit, UploadGate
 from backfill.api.ratelimit import RateLimit
-from backfill.api.routes import admin, batches, dashboard, files, forecast, models, ops, partial, usage, webhooks
+from backfill.api.routes import (
+    admin,
+    batches,
+    dashboard,
+    files,
+    forecast,
+    models,
+    ops,
+    partial,
+    uploads,
+    usage,
+    webhooks,
+)
 from backfill.jobs.teams import ensure_key
 from backfill.storage.db import unit_of_work
 from backfill.storage.settings import get_settings
@@ -57,7 +69,7 @@ def create_app() -> FastAPI:
     app.add_middleware(UploadGate)
     app.add_middleware(RateLimit)
     app.add_middleware(AccessLog)  # outermost: it logs every answer, a 429 or 413 too
-    for module in (files, batches, models, usage, admin, partial, forecast, webhooks, dashboard, ops):
+    for module in (files, uploads, batches, models, usage, admin, partial, forecast, webhooks, dashboard, ops):
         app.include_router(module.router)
     app.include_router(dashboard.page)  # the page and its two assets: not API routes
 

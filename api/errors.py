@@ -72,7 +72,7 @@ def _wire_ids(request: Request, exc: DomainError) -> str:
     wire = request.path_params.get(exc.param or "")
     if not isinstance(wire, str) or wire in exc.message:
         return exc.message
-    for prefix in ("batch_", "file-"):
+    for prefix in ("batch_", "file-", "upload_"):
         if wire.startswith(prefix) and len(wire) > len(prefix):
             return exc.message.replace(wire[len(prefix) :], wire)
     return exc.message

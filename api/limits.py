@@ -1,8 +1,10 @@
 """Limits on what one request may take, enforced as pure ASGI before any parsing or thread:
 
 - the bytes of its body, with or without Content-Length: 1 MiB for JSON routes, the file cap
-  plus a small form allowance for `POST /v1/files`;
-- for uploads, a slot among a bounded number in progress (in all and per API key), so slow
+  plus a small form allowance for `POST /v1/files`, the part cap (64 MiB) plus the same
+  allowance for `POST /v1/uploads/{id}/parts`;
+- for uploads (a file, an upload's part, an upload's completion, which may concatenate
+  gigabytes), a slot among a bounded number in progress (in all and per API key), so slow
   or stalled uploads can never take the capacity other routes need: past the bound a client
   gets 429 with Retry-After at once instead of waiting.
 
@@ -12,14 +14,19 @@ the parser in `api.upload` with the numbers below.
 
 from __future__ import annotations
 
+import re
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from backfill.jobs.errors import error_bytes
 from backfill.jobs.teams import hash_key
+from backfill.jobs.uploads import MAX_PART_BYTES
 from backfill.storage.settings import get_settings
 
 MAX_JSON_BODY = 1024 * 1024
 UPLOAD_PATH = "/v1/files"
+PART_PATH = re.compile(r"^/v1/uploads/[^/]+/parts/?$")
+COMPLETE_PATH = re.compile(r"^/v1/uploads/[^/]+/complete/?$")
 
 # The non-file fields of an upload: OpenAI's form has three (purpose, expires_after[anchor],
 # expires_after[seconds]); room for a few more that are ignored, never for a flood.
@@ -42,8 +49,21 @@ def max_concurrent_uploads_per_key() -> int:
     return max(1, get_settings().max_concurrent_uploads_per_key)
 
 
-def is_upload(scope: Scope) -> bool:
+def is_file_upload(scope: Scope) -> bool:
     return bool(scope["method"] == "POST" and scope["path"].rstrip("/") == UPLOAD_PATH)
+
+
+def is_part_upload(scope: Scope) -> bool:
+    return bool(scope["method"] == "POST" and PART_PATH.match(scope["path"]))
+
+
+def is_upload(scope: Scope) -> bool:
+    """The requests that take an upload slot."""
+    return (
+        is_file_upload(scope)
+        or is_part_upload(scope)
+        or bool(scope["method"] == "POST" and COMPLETE_PATH.match(scope["path"]))
+    )
 
 
 def bearer_key_digest(scope: Scope) -> str | None:
@@ -94,7 +114,9 @@ class BodyLimit:
         # None: the configured file cap plus the form allowance, read at first use.
         self.max_upload_bytes = max_upload_bytes
 
-    def _cap(self, upload: bool) -> int:
+    def _cap(self, upload: bool, part: bool) -> int:
+        if part:
+            return MAX_PART_BYTES + UPLOAD_OVERHEAD_BYTES
         if not upload:
             return self.max_bytes
         if self.max_upload_bytes is None:
@@ -105,11 +127,11 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        upload = is_upload(scope)
-        cap = self._cap(upload)
+        upload, part = is_file_upload(scope), is_part_upload(scope)
+        cap = self._cap(upload, part)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > cap:
-            await self._reject(send, cap, upload)
+            await self._reject(send, cap, upload, part)
             return
         seen = 0
         started = False
@@ -132,9 +154,19 @@ class BodyLimit:
             await self.app(scope, limited_receive, tracking_send)
         except _TooLarge:
             if not started:
-                await self._reject(send, cap, upload)
+                await self._reject(send, cap, upload, part)
 
-    async def _reject(self, send: Send, cap: int, upload: bool) -> None:
+    async def _reject(self, send: Send, cap: int, upload: bool, part: bool = False) -> None:
+        if part:
+            await send_error(
+                send,
+                413,
+                f"A part is larger than the maximum of {MAX_PART_BYTES} bytes.",
+                type_="invalid_request_error",
+                code="part_too_large",
+                param="data",
+            )
+            return
         if upload:
             message = f"File is larger than the maximum of {cap - UPLOAD_OVERHEAD_BYTES} bytes."
         else:

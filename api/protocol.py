@@ -80,6 +80,30 @@ class FileList(ListPage[FileObject]):
     pass
 
 
+# -- Uploads (a file sent in parts) -------------------------------------------------------------
+# OpenAI's published batch spec leaves them out: these follow the official SDK's types
+# (`openai.types.Upload`, `openai.types.uploads.UploadPart`), which a test holds them to.
+
+
+class Upload(BaseModel):
+    id: str
+    object: Literal["upload"]
+    bytes: int
+    created_at: int
+    expires_at: int
+    filename: str
+    purpose: str
+    status: Literal["pending", "completed", "cancelled", "expired"]
+    file: FileObject | None = None
+
+
+class UploadPart(BaseModel):
+    id: str
+    object: Literal["upload.part"]
+    created_at: int
+    upload_id: str
+
+
 # -- Batches ----------------------------------------------------------------------------------
 
 

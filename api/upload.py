@@ -73,6 +73,41 @@ class ParsedForm:
     expires_after_s: int | None = None
 
 
+def _check_file_fields(form: ParsedForm) -> None:
+    checked = file_service.upload_options(form.fields)
+    form.purpose, form.expires_after_s = checked.purpose, checked.expires_after_s
+
+
+def _any_name(filename: str) -> str:
+    return filename
+
+
+def _ignore_field(name: str, value: str) -> None:
+    pass
+
+
+def _no_fields(form: ParsedForm) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class FormSpec:
+    """What a streamed form holds: the name of its one file part, and how the rest is checked."""
+
+    file_field: str
+    # Whether the file part must say a filename to count as the file.
+    needs_filename: bool
+    check_filename: Callable[[str], str]
+    check_field: Callable[[str, str], None]  # each field as soon as it has arrived
+    finish: Callable[[ParsedForm], None]  # all fields together, once the form ended
+
+
+# `POST /v1/files`: `file`, `purpose`, `expires_after[...]`.
+FILE_FORM = FormSpec("file", True, file_service.check_filename, file_service.check_upload_field, _check_file_fields)
+# `POST /v1/uploads/{id}/parts`: the part's bytes in `data`, whatever it is named; nothing else counts.
+PART_FORM = FormSpec("data", False, _any_name, _ignore_field, _no_fields)
+
+
 class _End:
     """The file part ended and the whole form was accepted."""
 
@@ -90,8 +125,9 @@ def _decode(raw: bytes, what: str, param: str | None) -> str:
 class _FormState:
     """The parser's callbacks: caps on parts, header bytes and field bytes, checks as values complete."""
 
-    def __init__(self, form: ParsedForm) -> None:
+    def __init__(self, form: ParsedForm, spec: FormSpec) -> None:
         self.form = form
+        self.spec = spec
         self.parts = 0
         self.field_bytes = 0
         self.header_bytes = 0
@@ -147,10 +183,15 @@ class _FormState:
     def on_headers_finished(self) -> None:
         _, opts = parse_options_header(self.headers.get(b"content-disposition", b""))
         self.name = _decode(opts.get(b"name", b""), "form field name", None)
-        if b"filename" in opts and self.name == "file" and self.form.filename is None:
+        spec = self.spec
+        if (
+            self.name == spec.file_field
+            and self.form.filename is None
+            and (b"filename" in opts or not spec.needs_filename)
+        ):
             # Checked before the first byte reaches the store.
-            filename = _decode(opts[b"filename"], "file name", "file")
-            self.form.filename = file_service.check_filename(filename)
+            filename = _decode(opts.get(b"filename", b""), "file name", spec.file_field)
+            self.form.filename = spec.check_filename(filename)
             self.is_file = True
 
     def on_part_data(self, data: bytes, start: int, end: int) -> None:
@@ -171,7 +212,7 @@ class _FormState:
         if self.is_file or not self.name:
             return
         value = _decode(bytes(self.data), f"value of {self.name[:100]!r}", self.name[:100])
-        file_service.check_upload_field(self.name, value)
+        self.spec.check_field(self.name, value)
         self.form.fields[self.name] = value
 
     def on_end(self) -> None:
@@ -219,14 +260,15 @@ async def parse_upload(
     consume_file: Callable[[Iterator[bytes]], Any],
     *,
     idle_timeout: float | None = None,
+    spec: FormSpec = FILE_FORM,
 ) -> ParsedForm:
-    """Parse the form; the `file` part is handed to `consume_file` (run in an upload thread)
-    as a chunk iterator that ends only after the whole form was received and checked."""
+    """Parse the form; the file part (`spec.file_field`) is handed to `consume_file` (run in an
+    upload thread) as a chunk iterator that ends only after the whole form was received and checked."""
     ctype, options = parse_options_header(content_type)
     if ctype != b"multipart/form-data" or b"boundary" not in options:
-        raise InvalidRequest("Upload files as multipart/form-data.", param="file")
+        raise InvalidRequest("Upload files as multipart/form-data.", param=spec.file_field)
     form = ParsedForm()
-    state = _FormState(form)
+    state = _FormState(form, spec)
     parser = MultipartParser(options[b"boundary"], state.callbacks())
     send, receive = anyio.create_memory_object_stream[bytes | _End](max_buffer_size=FEED_CHUNKS)
     consumer_error: list[BaseException] = []
@@ -257,9 +299,8 @@ async def parse_upload(
         if not state.complete:
             raise file_service.UploadInterrupted("The multipart body ended before its closing boundary.")
         if form.filename is None:
-            raise InvalidRequest("Missing required parameter: 'file'.", param="file")
-        checked = file_service.upload_options(form.fields)
-        form.purpose, form.expires_after_s = checked.purpose, checked.expires_after_s
+            raise InvalidRequest(f"Missing required parameter: '{spec.file_field}'.", param=spec.file_field)
+        spec.finish(form)
         if not started:  # an empty file: the store still writes an (empty) object
             tg.start_soon(run_consumer)
         await send.send(_END)
@@ -274,7 +315,9 @@ async def parse_upload(
         except ClientDisconnect:
             failure = file_service.UploadInterrupted("The client disconnected during the upload.")
         except FormParserError as exc:
-            failure = InvalidRequest(f"Malformed multipart body: {exc}", param="file", code="invalid_multipart")
+            failure = InvalidRequest(
+                f"Malformed multipart body: {exc}", param=spec.file_field, code="invalid_multipart"
+            )
         except BaseException as exc:  # noqa: BLE001 - re-raised after the consumer has seen the abort
             failure = exc
         finally:

@@ -16,12 +16,14 @@ from backfill.api.protocol import (
 from backfill.jobs.billing.ledger import CURRENCY, MICROS_PER_UNIT, format_micros
 from backfill.jobs.billing.models import Price, Quota
 from backfill.jobs.errors import InvalidRequest, NotFound
-from backfill.jobs.models import ApiKey, Batch, File, Team
+from backfill.jobs.models import ApiKey, Batch, File, Team, Upload, UploadPart
 from backfill.jobs.webhooks.events import secret_hint
 from backfill.jobs.webhooks.models import WebhookDelivery, WebhookEndpoint, WebhookEvent
 
 FILE_PREFIX = "file-"
 BATCH_PREFIX = "batch_"
+UPLOAD_PREFIX = "upload_"
+PART_PREFIX = "part_"
 
 
 @overload
@@ -50,6 +52,47 @@ def batch_id_in(wire: str) -> str:
     if not wire.startswith(BATCH_PREFIX) or len(wire) <= len(BATCH_PREFIX):
         raise NotFound(f"No batch found with id '{wire}'.", param="batch_id")
     return wire[len(BATCH_PREFIX) :]
+
+
+def upload_id_out(raw: str) -> str:
+    return UPLOAD_PREFIX + raw
+
+
+def upload_id_in(wire: str) -> str:
+    if not wire.startswith(UPLOAD_PREFIX) or len(wire) <= len(UPLOAD_PREFIX):
+        raise NotFound(f"No such Upload object: {wire}", param="upload_id")
+    return wire[len(UPLOAD_PREFIX) :]
+
+
+def part_ids_in(wires: list[str]) -> list[str]:
+    """A part id the service never gave out names no part of the upload: 404, like an unknown one."""
+    for wire in wires:
+        if not wire.startswith(PART_PREFIX) or len(wire) <= len(PART_PREFIX):
+            raise NotFound(f"No such Part object: {wire}", param="part_ids")
+    return [wire[len(PART_PREFIX) :] for wire in wires]
+
+
+def upload_out(row: Upload, *, status: str, file: File | None = None) -> protocol.Upload:
+    return protocol.Upload(
+        id=upload_id_out(row.id),
+        object="upload",
+        bytes=row.bytes,
+        created_at=ts(row.created_at),
+        expires_at=ts(row.expires_at),
+        filename=row.filename,
+        purpose=row.purpose,
+        status=status,  # type: ignore[arg-type]  # an UploadStatus a client sees; pydantic checks it
+        file=file_out(file) if file is not None else None,
+    )
+
+
+def part_out(row: UploadPart) -> protocol.UploadPart:
+    return protocol.UploadPart(
+        id=PART_PREFIX + row.id,
+        object="upload.part",
+        created_at=ts(row.created_at),
+        upload_id=upload_id_out(row.upload_id),
+    )
 
 
 def file_out(row: File) -> protocol.FileObject:

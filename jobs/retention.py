@@ -15,6 +15,9 @@ idempotent and bounded, so a crash mid-way is finished by the next pass.
   result files keep them) leave the database and its ledger is rolled up (`jobs.billing.rollup`),
   one transaction per batch, at most `batches_per_pass` batches a pass. A finished batch then
   leaves a few rows, however many lines it had.
+- The parts of an upload (`jobs.uploads`) that will never complete (expired, cancelled, or a
+  completion that died) leave the object store and the database, each upload in a transaction
+  of its own.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from sqlalchemy.orm import Session
 
 from backfill.jobs.billing.rollup import roll_up_ledger
 from backfill.jobs.models import TERMINAL_STATUSES, Batch, BatchRequest, File, utcnow
+from backfill.jobs.uploads import clean_up_uploads
 from backfill.storage.db import UnitOfWork
 from backfill.storage.objects import ObjectStore
 
@@ -54,9 +58,10 @@ class RetentionReport:
     body_batches: int = 0  # batches whose line rows were removed
     ledgers: int = 0  # batches whose ledger was rolled up
     retired: int = 0  # batches retired (the two above): `batches_per_pass` says more may be left
+    uploads: int = 0  # uploads whose parts were removed (expired or cancelled)
 
     def __bool__(self) -> bool:
-        return bool(self.file_objects or self.orphans or self.body_batches or self.ledgers)
+        return bool(self.file_objects or self.orphans or self.body_batches or self.ledgers or self.uploads)
 
 
 def _purgeable_file(now: datetime) -> ColumnElement[bool]:
@@ -189,4 +194,5 @@ def run_retention(
     report.orphans = collect_orphans(
         transaction, store, now=now, grace_s=policy.orphan_grace_s, limit=policy.batch_size
     )
+    report.uploads = clean_up_uploads(transaction, store, now=now, limit=policy.batch_size)
     return report

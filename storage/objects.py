@@ -9,8 +9,11 @@ interrupted write leaves nothing (or the previous version) there.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import queue
+import secrets
+import shutil
 import tempfile
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -28,6 +31,9 @@ CHUNK = 1024 * 1024
 # (10,000 parts), far above any file limit, while one upload holds only three parts in memory.
 PART_BYTES = 8 * CHUNK
 PARTS_IN_FLIGHT = 2
+# S3's own bounds on a multipart upload: every part but the last at least 5 MiB, numbers 1-10,000.
+MIN_PART_BYTES = 5 * CHUNK
+MAX_PART_NUMBER = 10_000
 
 
 class ObjectTooLarge(Exception):
@@ -42,15 +48,38 @@ class StoredObject(NamedTuple):
     last_modified: datetime  # timezone-aware, UTC
 
 
+class NoSuchMultipart(Exception):
+    """The multipart upload was completed or aborted (or never existed)."""
+
+
 class ObjectStore(Protocol):
+    # The smallest part a multipart upload takes anywhere but last (S3: 5 MiB; a directory: any).
+    min_part_bytes: int
+
     def put(self, key: str, chunks: Iterable[bytes], *, max_bytes: int | None = None) -> int: ...
-    def open(self, key: str, *, start: int = 0) -> Iterator[bytes]:
-        """The object's bytes from offset `start` to its end, a chunk at a time."""
+    def open(self, key: str, *, start: int = 0, end: int | None = None) -> Iterator[bytes]:
+        """The object's bytes from offset `start` to `end` (its end when None), a chunk at a time."""
         ...
 
     def read_range(self, key: str, offset: int, length: int) -> bytes: ...
     def delete(self, key: str) -> None: ...
     def list(self, prefix: str) -> Iterator[StoredObject]: ...
+
+    # A multipart upload: parts sent one request at a time (numbered 1 to MAX_PART_NUMBER, any
+    # gaps), none readable until `complete_multipart` makes the object of the parts it names,
+    # in ascending number order; the parts it does not name are dropped.
+    def start_multipart(self, key: str) -> str: ...
+    def upload_part(self, key: str, upload_id: str, number: int, body: bytes) -> str:
+        """Store one part; returns its tag, which `complete_multipart` is given back."""
+        ...
+
+    def complete_multipart(self, key: str, upload_id: str, parts: Sequence[tuple[int, str]]) -> int:
+        """Make the object at `key` of `parts` ((number, tag), ascending); returns its size."""
+        ...
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        """Drop the upload and its parts; a no-op for one already completed or aborted."""
+        ...
 
 
 class _Counted:
@@ -93,6 +122,11 @@ def blocks(chunks: Iterable[bytes], size: int) -> Iterator[bytes]:
 
 
 class LocalObjectStore:
+    # Parts are files concatenated at completion: any size will do.
+    min_part_bytes = 0
+    # Multipart uploads in progress, one folder each: outside every key prefix the service lists.
+    MULTIPART_DIR = ".multipart"
+
     def __init__(self, root: Path) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
@@ -122,19 +156,11 @@ class LocalObjectStore:
             raise
         return counted.count
 
-    def open(self, key: str, *, start: int = 0) -> Iterator[bytes]:
+    def open(self, key: str, *, start: int = 0, end: int | None = None) -> Iterator[bytes]:
         path = self._path(key)
         if not path.exists():
             raise FileNotFoundError(key)
-        fh: IO[bytes] = path.open("rb")
-        fh.seek(start)
-
-        def gen() -> Iterator[bytes]:
-            with fh:
-                while block := fh.read(CHUNK):
-                    yield block
-
-        return gen()
+        return _read_file(path, start, end)
 
     def read_range(self, key: str, offset: int, length: int) -> bytes:
         with self._path(key).open("rb") as fh:
@@ -143,6 +169,52 @@ class LocalObjectStore:
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+    def _multipart(self, upload_id: str) -> Path:
+        if not upload_id.isalnum():
+            raise NoSuchMultipart(upload_id)
+        return self.root / self.MULTIPART_DIR / upload_id
+
+    def start_multipart(self, key: str) -> str:
+        self._path(key)  # a bad key is refused now, not at completion
+        upload_id = secrets.token_hex(16)
+        self._multipart(upload_id).mkdir(parents=True)
+        return upload_id
+
+    def upload_part(self, key: str, upload_id: str, number: int, body: bytes) -> str:
+        folder = self._multipart(upload_id)
+        if not folder.is_dir():
+            raise NoSuchMultipart(upload_id)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(body)
+            os.replace(tmp, folder / f"{number:05d}")
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return hashlib.md5(body, usedforsecurity=False).hexdigest()
+
+    def complete_multipart(self, key: str, upload_id: str, parts: Sequence[tuple[int, str]]) -> int:
+        """Concatenate the named part files into the object, streaming (`put`: written beside,
+        then renamed), then drop the folder with every part, named or not."""
+        folder = self._multipart(upload_id)
+        if not folder.is_dir():
+            raise NoSuchMultipart(upload_id)
+        files = [folder / f"{number:05d}" for number, _ in parts]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise NoSuchMultipart(f"{upload_id}: no part {missing[0]}")
+        size = self.put(key, (block for f in files for block in _read_file(f, 0, None)))
+        shutil.rmtree(folder, ignore_errors=True)
+        return size
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        try:
+            folder = self._multipart(upload_id)
+        except NoSuchMultipart:
+            return
+        shutil.rmtree(folder, ignore_errors=True)
 
     def list(self, prefix: str) -> Iterator[StoredObject]:
         """Objects whose key starts with `prefix` (a string prefix, as in S3), in no set order.
@@ -174,7 +246,28 @@ def _may_hold(folder: str, prefix: str) -> bool:
     return folder.startswith(prefix) or prefix.startswith(folder)
 
 
+def _read_file(path: Path, start: int, end: int | None) -> Iterator[bytes]:
+    fh: IO[bytes] = path.open("rb")  # opened now: a missing file fails the call, not the first read
+    fh.seek(start)
+    left = None if end is None else max(0, end - start)
+
+    def gen() -> Iterator[bytes]:
+        nonlocal left
+        with fh:
+            while left is None or left > 0:
+                block = fh.read(CHUNK if left is None else min(CHUNK, left))
+                if not block:
+                    return
+                if left is not None:
+                    left -= len(block)
+                yield block
+
+    return gen()
+
+
 class S3ObjectStore:
+    min_part_bytes = MIN_PART_BYTES
+
     def __init__(self, *, endpoint_url: str, bucket: str, access_key: str, secret_key: str, region: str) -> None:
         import boto3
         from botocore.config import Config
@@ -252,17 +345,61 @@ class S3ObjectStore:
         except (BotoCoreError, ClientError):
             pass  # the original failure matters more; a bucket lifecycle rule reaps what is left
 
-    def open(self, key: str, *, start: int = 0) -> Iterator[bytes]:
+    def open(self, key: str, *, start: int = 0, end: int | None = None) -> Iterator[bytes]:
         from botocore.exceptions import ClientError
 
+        if end is not None and end <= start:
+            return iter(())
+        last = "" if end is None else str(end - 1)
         try:
-            ranged = {"Range": f"bytes={start}-"} if start else {}
+            ranged = {"Range": f"bytes={start}-{last}"} if start or last else {}
             body = self.client.get_object(Bucket=self.bucket, Key=key, **ranged)["Body"]
         except ClientError as exc:
             if exc.response["Error"]["Code"] in ("NoSuchKey", "404"):
                 raise FileNotFoundError(key) from exc
             raise
         return iter(body.iter_chunks(CHUNK))
+
+    def start_multipart(self, key: str) -> str:
+        upload_id: str = self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
+        return upload_id
+
+    def upload_part(self, key: str, upload_id: str, number: int, body: bytes) -> str:
+        from botocore.exceptions import ClientError
+
+        try:
+            tag: str = self._upload_part(key, upload_id, number, body)["ETag"]
+        except ClientError as exc:
+            if exc.response["Error"]["Code"] == "NoSuchUpload":
+                raise NoSuchMultipart(upload_id) from exc
+            raise
+        return tag
+
+    def complete_multipart(self, key: str, upload_id: str, parts: Sequence[tuple[int, str]]) -> int:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.complete_multipart_upload(
+                Bucket=self.bucket,
+                Key=key,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": [{"PartNumber": n, "ETag": tag} for n, tag in parts]},
+            )
+        except ClientError as exc:
+            if exc.response["Error"]["Code"] == "NoSuchUpload":
+                raise NoSuchMultipart(upload_id) from exc
+            raise
+        size: int = self.client.head_object(Bucket=self.bucket, Key=key)["ContentLength"]
+        return size
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+        except ClientError as exc:
+            if exc.response["Error"]["Code"] not in ("NoSuchUpload", "404"):
+                raise
 
     def read_range(self, key: str, offset: int, length: int) -> bytes:
         if length <= 0:

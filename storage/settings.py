@@ -204,6 +204,8 @@ class LimitSettings(BaseSettings):
     # Processes that validate one large input file (past 32 MB) together; 0: one per CPU, up to 8.
     validation_processes: int = 0
     file_expiry_default_s: int = 30 * 24 * 3600
+    # What one upload of the Uploads API (a file sent in parts of up to 64 MiB) may hold in all.
+    max_upload_bytes: int = 8 * 1024**3
 
 
 class WindowSettings(BaseSettings):
