@@ -1,0 +1,122 @@
+"""Many models, each on its own capacity: routing by model over two deployments.
+
+Deployment X is the session's two-model fleet (tiny-chat on two workers, tiny-chat-large on one,
+as `backfill up` serves them); deployment Y a fleet of its own serving tiny-chat only. Each is
+reached through a fault proxy that counts the requests it sees per model, so a test can show
+where every line went. backfill runs as real processes on a database and a Redis of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from backfill.devfleet.faultproxy import FaultProxy
+from backfill.devfleet.fleet import LARGE_MODEL, Fleet
+from backfill.devfleet.s3 import SeaweedS3
+from backfill.devfleet.services import private_redis
+from backfill.devfleet.stack import Stack, launch_stack
+from tests.e2e.helpers import MODEL, chat_line, jsonl, read_lines, upload, wait_for
+
+pytestmark = pytest.mark.e2e
+
+FIXED_LIMIT = 6  # BACKFILL_MAX_INFLIGHT here: each (deployment, model) pool's own bound
+
+
+@pytest.fixture(scope="module")
+def fleet_y() -> Iterator[Fleet]:
+    with Fleet(num_workers=1, speedup_ratio=5.0, model_name=MODEL) as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def proxy_x(fleet: Fleet) -> Iterator[FaultProxy]:
+    assert fleet.models == [MODEL, LARGE_MODEL]
+    with FaultProxy(fleet.origin) as proxy:
+        yield proxy
+
+
+@pytest.fixture(scope="module")
+def proxy_y(fleet_y: Fleet) -> Iterator[FaultProxy]:
+    with FaultProxy(fleet_y.origin) as proxy:
+        yield proxy
+
+
+@pytest.fixture(scope="module")
+def own_redis(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[str]:
+    shared = redis_url.rsplit("/", 1)[0] + "/8"
+    with private_redis(tmp_path_factory.mktemp("redis-models"), shared_url=shared) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def models_stack(
+    own_redis: str, s3: SeaweedS3, proxy_x: FaultProxy, proxy_y: FaultProxy, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    settings = {
+        "BACKFILL_MAX_INFLIGHT": str(FIXED_LIMIT),
+        "BACKFILL_LEASE_TTL_S": "4",
+        "BACKFILL_DRAIN_SLICE_S": "10",
+        "BACKFILL_TICK_INTERVAL_S": "0.5",
+        "BACKFILL_MODELS_CACHE_S": "2",
+    }
+    with launch_stack(
+        tmp_path_factory.mktemp("models"),
+        settings=settings,
+        s3=s3,
+        fleet_url=f"{proxy_x.base_url},{proxy_y.base_url}",
+        name="models",
+        redis_url=own_redis,
+        flush=True,
+    ) as s:
+        yield s
+
+
+@pytest.fixture
+def mclient(models_stack: Stack) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=models_stack.base_url, api_key=models_stack.key, max_retries=0, timeout=60)
+
+
+def _batch(client: Any, model: str, n: int, tag: str) -> Any:
+    lines = [chat_line(i, model=model, max_tokens=16, prefix=f"{tag} {i} ") for i in range(n)]
+    f = upload(client, jsonl(lines), name=f"{tag}.jsonl")
+    return client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+
+def test_both_models_listed(mclient: Any) -> None:
+    assert {m.id for m in mclient.models.list().data} == {MODEL, LARGE_MODEL}
+
+
+def test_lines_go_only_to_deployments_serving_their_model(
+    mclient: Any, proxy_x: FaultProxy, proxy_y: FaultProxy
+) -> None:
+    before_x, before_y = proxy_x.stats, proxy_y.stats
+    large = _batch(mclient, LARGE_MODEL, 40, "large")
+    small = _batch(mclient, MODEL, 40, "small")
+    for b, model in ((large, LARGE_MODEL), (small, MODEL)):
+        done = wait_for(mclient, b.id, {"completed", "failed", "expired"}, timeout_s=240)
+        assert done.status == "completed", done
+        assert done.request_counts.completed == 40, done.request_counts
+        assert {line["response"]["body"]["model"] for line in read_lines(mclient, done.output_file_id)} == {model}
+
+    def seen(proxy: FaultProxy, before: dict[str, int], model: str) -> int:
+        return proxy.stats.get(f"model:{model}", 0) - before.get(f"model:{model}", 0)
+
+    # Deployment Y does not serve the large model: not one of its lines reached it.
+    assert seen(proxy_y, before_y, LARGE_MODEL) == 0
+    assert seen(proxy_x, before_x, LARGE_MODEL) >= 40
+    # The small model's lines were spread over both deployments that serve it.
+    assert seen(proxy_x, before_x, MODEL) > 0 and seen(proxy_y, before_y, MODEL) > 0
+    assert seen(proxy_x, before_x, MODEL) + seen(proxy_y, before_y, MODEL) >= 40
+
+
+def test_a_model_no_deployment_serves_fails_validation(mclient: Any) -> None:
+    b = _batch(mclient, "no-such-model", 3, "unknown")
+    done = wait_for(mclient, b.id, {"failed", "completed"}, timeout_s=60)
+    assert done.status == "failed"
+    errors = done.errors.data
+    assert errors and errors[0].line == 1 and "no-such-model" in errors[0].message, errors
