@@ -1,41 +1,67 @@
-"""Rows the domain tests start from, built the way validation leaves them: a batch of a team
-with its request lines, at the price version in force."""
+"""Rows the domain tests start from, built the way validation leaves them: a team, and a batch of
+a team with its request lines, at the price version in force."""
 
 from __future__ import annotations
 
+import secrets
 from datetime import timedelta
 
 from sqlalchemy.orm import Session
 
 from backfill.jobs.billing.ledger import current_price_version
-from backfill.jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, RequestState, Team, utcnow
+
+
+def make_team(session: Session, name: str | None = None) -> Team:
+    team = Team(name=name or f"t-{secrets.token_hex(4)}")
+    session.add(team)
+    session.flush()
+    return team
 
 
 def make_batch(
     session: Session,
-    team: Team,
+    team: Team | str,
     *,
     lines: int,
     model: str = "m",
     status: BatchStatus = BatchStatus.in_progress,
+    input_file_id: str = "f",
+    age_s: float = 0.0,
+    expires_in_s: float = 24 * 3600,
+    line_state: RequestState = RequestState.pending,
+    claim_token: str | None = None,
+    attempts: int = 0,
 ) -> Batch:
-    """A chat batch of `lines` request lines (custom ids r1..rN), expiring in 24 h."""
+    """A chat batch of `lines` request lines (custom ids r1..rN), created `age_s` ago and expiring
+    in `expires_in_s`; its lines in `line_state`, held by `claim_token` if given."""
     now = utcnow()
     batch = Batch(
-        team_id=team.id,
-        input_file_id="f",
+        team_id=team if isinstance(team, str) else team.id,
+        input_file_id=input_file_id,
         endpoint="/v1/chat/completions",
         model=model,
         completion_window="24h",
         status=status,
-        created_at=now,
-        expires_at=now + timedelta(hours=24),
+        created_at=now - timedelta(seconds=age_s),
+        expires_at=now + timedelta(seconds=expires_in_s),
         total=lines,
         price_version=current_price_version(session),
     )
     session.add(batch)
     session.flush()
     for line in range(1, lines + 1):
-        session.add(BatchRequest(batch_id=batch.id, line=line, custom_id=f"r{line}", offset=0, length=1))
+        session.add(
+            BatchRequest(
+                batch_id=batch.id,
+                line=line,
+                custom_id=f"r{line}",
+                offset=0,
+                length=1,
+                state=line_state,
+                claim_token=claim_token,
+                attempts=attempts,
+            )
+        )
     session.flush()
     return batch

@@ -6,20 +6,19 @@ from __future__ import annotations
 
 import secrets
 import time
-import uuid
 from collections.abc import Iterator
-from datetime import timedelta
 
 import orjson
 import pytest
 
 from backfill.jobs.execution.results import ATTEMPTS_EXCEEDED
-from backfill.jobs.models import Batch, BatchRequest, BatchStatus, RequestState, Team, utcnow
+from backfill.jobs.models import Batch, BatchRequest, RequestState
 from backfill.scheduler.drain.dispatcher import DRAIN_POOL
 from backfill.scheduler.ticker import Reconciler, Ticker
 from backfill.storage.broker import TaskName
 from backfill.storage.db import unit_of_work
 from backfill.storage.leases import RedisLeaseStore, SqlLeaseStore
+from tests.factories import make_batch, make_team
 from tests.process_env import scratch_database
 
 
@@ -34,37 +33,12 @@ def scratch_db(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 def running_batch(lines: int, *, token: str | None = None, attempts: int = 0) -> str:
     """An in-progress batch whose lines are all running under `token` (pending without one)."""
-    now = utcnow()
     with unit_of_work() as s:
-        team = Team(name=f"t-{uuid.uuid4().hex[:8]}")
-        s.add(team)
-        s.flush()
-        batch = Batch(
-            team_id=team.id,
-            input_file_id="f",
-            endpoint="/v1/chat/completions",
-            model="m",
-            completion_window="24h",
-            status=BatchStatus.in_progress,
-            expires_at=now + timedelta(hours=1),
-            total=lines,
-        )
-        s.add(batch)
-        s.flush()
-        for line in range(1, lines + 1):
-            s.add(
-                BatchRequest(
-                    batch_id=batch.id,
-                    line=line,
-                    custom_id=f"r{line}",
-                    offset=0,
-                    length=1,
-                    state=RequestState.running if token else RequestState.pending,
-                    claim_token=token,
-                    attempts=attempts,
-                )
-            )
-        return batch.id
+        state = RequestState.running if token else RequestState.pending
+        team = make_team(s)
+        return make_batch(
+            s, team, lines=lines, expires_in_s=3600, line_state=state, claim_token=token, attempts=attempts
+        ).id
 
 
 def lines_of(batch_id: str) -> list[BatchRequest]:

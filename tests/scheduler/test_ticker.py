@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 
 import pytest
 from sqlalchemy import update
@@ -15,6 +14,7 @@ from backfill.scheduler.ticker import Ticker
 from backfill.storage.broker import TaskName
 from backfill.storage.db import unit_of_work
 from backfill.storage.leases import SqlLeaseStore
+from tests.factories import make_batch
 from tests.process_env import scratch_database
 
 
@@ -27,24 +27,8 @@ def scratch_db(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def _batch(team_id: str, status: BatchStatus, *, age_s: float = 0.0, expires_in_s: float = 3600, lines: int = 0) -> str:
-    now = utcnow()
     with unit_of_work() as s:
-        batch = Batch(
-            team_id=team_id,
-            input_file_id="f",
-            endpoint="/v1/chat/completions",
-            model="m",
-            completion_window="24h",
-            status=status,
-            created_at=now - timedelta(seconds=age_s),
-            expires_at=now + timedelta(seconds=expires_in_s),
-            total=lines,
-        )
-        s.add(batch)
-        s.flush()
-        for line in range(1, lines + 1):
-            s.add(BatchRequest(batch_id=batch.id, line=line, custom_id=f"r{line}", offset=0, length=1))
-        return batch.id
+        return make_batch(s, team_id, lines=lines, status=status, age_s=age_s, expires_in_s=expires_in_s).id
 
 
 def test_a_tick_enqueues_each_task_by_its_name(scratch_db: str) -> None:
