@@ -1,0 +1,147 @@
+"""Uploads on a real database and both real object stores (a directory, SeaweedFS over S3): the
+direct path (the store completes its own multipart upload), the server-side concatenation (a
+small part in the middle, parts named out of order), md5, and the clean-up of what never completes."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from backfill.jobs import uploads
+from backfill.jobs.errors import Conflict
+from backfill.jobs.models import Upload, UploadPart, utcnow
+from backfill.jobs.teams import get_or_create_team
+from backfill.storage.objects import MIN_PART_BYTES, PART_BYTES, LocalObjectStore, ObjectStore, S3ObjectStore
+
+BUCKET = "backfill-test"
+MiB = 1024 * 1024
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+    if request.param == "local":
+        return LocalObjectStore(tmp_path / "objects")
+    server: Any = request.getfixturevalue("s3")
+    return S3ObjectStore(
+        endpoint_url=server.endpoint_url,
+        bucket=BUCKET,
+        access_key=server.access_key,
+        secret_key=server.secret_key,
+        region=server.region,
+    )
+
+
+def _team(db: sessionmaker[Session]) -> str:
+    with db.begin() as session:
+        return get_or_create_team(session, name=f"t-{secrets.token_hex(4)}").id
+
+
+def _upload(db: sessionmaker[Session], store: ObjectStore, team_id: str, size: int) -> Upload:
+    with db.begin() as session:
+        return uploads.create_upload(
+            session,
+            store,
+            team_id=team_id,
+            filename="in.jsonl",
+            purpose="batch",
+            mime_type="text/jsonl",
+            size=size,
+            expires_after_s=None,
+            max_upload_bytes=8 * 1024**3,
+        )
+
+
+def _part(db: sessionmaker[Session], store: ObjectStore, team_id: str, upload_id: str, data: bytes) -> str:
+    with db.begin() as session:
+        target = uploads.begin_part(session, team_id=team_id, upload_id=upload_id, declared_bytes=len(data) + 300)
+    # Fed in uneven chunks, as a multipart body arrives.
+    stored = uploads.store_part(store, target, (data[i : i + 70_001] for i in range(0, len(data), 70_001)))
+    with db.begin() as session:
+        return uploads.record_part(session, store, target=target, stored=stored).id
+
+
+def _pieces(*sizes: int) -> list[bytes]:
+    return [bytes([65 + i]) * n for i, n in enumerate(sizes)]
+
+
+def _complete(
+    db: sessionmaker[Session], store: ObjectStore, team_id: str, sizes: list[int], order: list[int] | None = None
+) -> tuple[bool, bytes]:
+    """Upload parts of `sizes`, complete them in `order`; (whether the direct path made it, its bytes)."""
+    pieces = _pieces(*sizes)
+    order = order if order is not None else list(range(len(sizes)))
+    data = b"".join(pieces[i] for i in order)
+    up = _upload(db, store, team_id, len(data))
+    ids = [_part(db, store, team_id, up.id, p) for p in pieces]
+    row, file = uploads.complete_upload(
+        db.begin,
+        store,
+        team_id=team_id,
+        upload_id=up.id,
+        part_ids=[ids[i] for i in order],
+        md5=hashlib.md5(data).hexdigest(),
+        default_batch_expiry_s=3600,
+    )
+    assert row.status == "completed" and file.bytes == len(data)
+    got = b"".join(store.open(file.object_key))
+    assert got == data
+    return file.id == up.file_id, got
+
+
+def test_store_blocks_are_never_small_but_alone() -> None:
+    for size in (1, MIN_PART_BYTES - 1, PART_BYTES, PART_BYTES + 1, PART_BYTES + MIN_PART_BYTES, 3 * PART_BYTES - 1):
+        out = list(uploads.store_blocks([b"x" * size], size=PART_BYTES, min_bytes=MIN_PART_BYTES))
+        assert sum(map(len, out)) == size
+        assert len(out) == 1 or all(len(b) >= MIN_PART_BYTES for b in out)
+        assert len(out) <= -(-size // PART_BYTES)
+
+
+def test_large_parts_in_order_go_the_direct_way(db: sessionmaker[Session], store: ObjectStore) -> None:
+    team_id = _team(db)
+    # 9 MiB (one store part: its 1 MiB tail merged), 6 MiB, then a small last part.
+    direct, _ = _complete(db, store, team_id, [9 * MiB, 6 * MiB, 1000])
+    assert direct
+
+
+def test_small_parts_in_the_middle_and_parts_out_of_order_are_concatenated(
+    db: sessionmaker[Session], store: ObjectStore
+) -> None:
+    team_id = _team(db)
+    direct, _ = _complete(db, store, team_id, [1000, 6 * MiB, 2000])
+    assert direct is isinstance(store, LocalObjectStore)  # a directory takes parts of any size
+    direct, _ = _complete(db, store, team_id, [6 * MiB, 5 * MiB, 300], order=[1, 0, 2])
+    assert not direct
+    direct, _ = _complete(db, store, team_id, [10, 20, 30], order=[2, 0, 1])
+    assert not direct
+
+
+def test_cancel_and_expiry_remove_the_parts(db: sessionmaker[Session], store: ObjectStore) -> None:
+    team_id = _team(db)
+    cancelled = _upload(db, store, team_id, 10)
+    _part(db, store, team_id, cancelled.id, b"x" * 5)
+    expired = _upload(db, store, team_id, 10)
+    _part(db, store, team_id, expired.id, b"y" * 5)
+    with db.begin() as session:
+        uploads.cancel_upload(session, store, team_id=team_id, upload_id=cancelled.id)
+    with pytest.raises(Conflict):
+        with db.begin() as session:
+            uploads.begin_part(session, team_id=team_id, upload_id=cancelled.id, declared_bytes=None)
+    later = utcnow() + uploads.UPLOAD_TTL + timedelta(seconds=1)
+    assert uploads.clean_up_uploads(db.begin, store, now=later, limit=100) >= 1
+    with db.begin() as session:
+        for upload_id, status in ((cancelled.id, "cancelled"), (expired.id, "expired")):
+            row = session.get(Upload, upload_id)
+            assert row is not None and row.status == status and row.cleaned_at is not None
+            assert session.execute(select(UploadPart).where(UploadPart.upload_id == upload_id)).first() is None
+    assert list(store.list(f"uploads/{team_id}/")) == []
+    # A second pass finds nothing left to do.
+    with db.begin() as session:
+        assert session.get(Upload, expired.id) is not None
+    assert uploads.clean_up_uploads(db.begin, store, now=later, limit=100) == 0
