@@ -170,6 +170,30 @@ def scheduler(
         pass
 
 
+@app.command()
+def simulate(
+    trace: Annotated[Path, typer.Option(help="Interactive trace (JSON; see docs/simulator.md).")],
+    fleet: Annotated[
+        str, typer.Option(help="Fleet file (JSON) or a bundled one: mocker-disagg, mocker-agg, gb200-glm53.")
+    ],
+    policy: Annotated[str, typer.Option(help="controller, none, or a fixed limit: static:16.")] = "controller",
+    kv_bytes_per_token: Annotated[int | None, typer.Option(help="KV row size: 576 FP8, 352 NVFP4.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the batch lines.")] = 0,
+) -> None:
+    """What backfill would harvest on a fleet under an interactive trace, on a virtual clock."""
+    import json
+
+    from backfill.sim.control import Policy
+    from backfill.sim.control import simulate as run
+    from backfill.sim.engine import FleetSpec
+    from backfill.sim.workload import Trace
+
+    spec = FleetSpec.load(fleet, kv_bytes_per_token=kv_bytes_per_token)
+    kind, _, limit = policy.partition(":")
+    result = run(spec, Trace.load(trace), Policy(kind, limit=int(limit or 0)), seed=seed)
+    typer.echo(json.dumps(result, indent=1))
+
+
 @app.command("scheduler-alive")
 def scheduler_alive(
     alive_file: Annotated[Path, typer.Argument(help="The scheduler's --alive-file.")],

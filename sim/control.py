@@ -437,3 +437,47 @@ class Sim:
 
     def batch_tok_s(self) -> float:
         return sum(n for t, n in self.batch_done if t <= self.duration) / self.duration
+
+
+def simulate(
+    spec: FleetSpec, trace: Trace, policy: Policy, *, slo: SloRule | None = None, seed: int = 0
+) -> dict[str, Any]:
+    """One what-if run, as `backfill simulate` prints it: (a) sets the SLO unless one is given."""
+    from statistics import median
+
+    def summary(sim: Sim) -> dict[str, Any]:
+        o = sim.outcomes()
+        ttft = sorted(x.ttft for x in o if x.ttft is not None)
+        itl = sorted(x.itl for x in o if x.itl is not None)
+
+        def q(xs: list[float], p: float) -> float | None:
+            return xs[min(len(xs) - 1, round(p * (len(xs) - 1)))] if xs else None
+
+        return {
+            "attainment": sum(sim.meets(x) for x in o) / max(1, len(o)),
+            "interactive": len(o),
+            "ttft_p50_s": q(ttft, 0.5),
+            "ttft_p90_s": q(ttft, 0.9),
+            "itl_p50_s": q(itl, 0.5) if itl else None,
+            "itl_p90_s": q(itl, 0.9) if itl else None,
+            "batch_output_tok_s": sim.batch_tok_s(),
+            "batch_shed": sim.batch_aborted,
+            "decisions": dict(sim.decisions),
+            "median_limit": median(v for _, v in sim.limits) if sim.limits else None,
+        }
+
+    a = Sim(spec, trace, Policy("none"), slo=slo or SloRule(1e9, 1e9), seed=seed)
+    a.finish()
+    if slo is None:
+        base = summary(a)
+        itl_p90 = base["itl_p90_s"] or 0.0
+        slo = SloRule(2 * (base["ttft_p90_s"] or 0.0), 1.3 * itl_p90 if itl_p90 else 1e9)
+        a.slo = slo
+    run = Sim(spec, trace, policy, slo=slo, seed=seed)
+    run.finish()
+    gpus = (spec.prefill_workers if spec.mode == "disagg" else 0) + spec.decode_workers
+    out = {"fleet": spec.name, "trace": trace.name, "slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s}}
+    out["interactive_only"] = summary(a)
+    out[policy.label] = summary(run)
+    out["batch_output_tok_s_per_gpu"] = run.batch_tok_s() / max(1, gpus * spec.gpus_per_worker)
+    return out

@@ -127,15 +127,15 @@ def glm_agent(seed: int, duration_s: float = 120.0, sessions_peak: int = 66, wav
                 start = t0 + (0 if busy else span) + rng.uniform(0.0, 0.3 * span)
                 if start >= duration_s - 5.0:
                     continue
-                context = rng.randint(20_000, 120_000)  # the session was under way before the trace
+                context = 0
                 turns = []
                 end = t0 + (span if busy else 2 * span)
                 t = start
                 while t < end and context < 140_000:
                     add = _lognormal(rng, 6000, 0.4, 500, 20000)
-                    turns.append(Turn(add if turns else context, rng.randint(300, 900), rng.uniform(2.0, 6.0)))
+                    turns.append(Turn(add, rng.randint(300, 900), rng.uniform(2.0, 6.0)))
                     context += add + 600
-                    t += 8.0
+                    t += 6.0
                 sessions.append(Session(start, tuple(turns)))
         t0 += wave_s
     return Trace("glm_agent", duration_s, 4000, tuple(sorted(sessions, key=lambda s: s.start_s)))

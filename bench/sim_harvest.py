@@ -1,0 +1,191 @@
+"""The harvest, measured in the simulator: the real controller against the oracle and the static
+sweep, on every trace, both KV formats, split and aggregated fleets, many seeds, in minutes.
+
+Per (fleet, trace, KV format, seed): (a) interactive only sets the SLO (TTFT <= 2 x its p90,
+mean ITL <= 1.3 x its p90, as bench.harvest); the static sweep; the controller (the scheduler's
+own capacity loop, telemetry parser, admission and shedding: backfill.sim.control); the oracle
+(backfill.sim.oracle: per 1 s window the largest limit that keeps the SLO, by forward search with
+backtracking), on the first `--oracle-seeds` seeds. Ratios are per seed: the controller's batch
+tok/s over the oracle's, and over the best static setting that holds the SLO (attainment within
+1 point of (a)).
+
+    .venv/bin/python -m bench.sim_harvest --quick     # under 2 minutes
+    .venv/bin/python -m bench.sim_harvest             # 20 seeds (oracle: 5)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from backfill.sim.control import Policy, Sim, SloRule
+from backfill.sim.engine import FleetSpec
+from backfill.sim.oracle import search
+from backfill.sim.workload import GENERATORS, Session, Trace, Turn
+from bench.agent_trace import TRACES, build_trace
+from bench.harvest_results import pct
+
+MOCKER_TRACES = ("agent", "lulls", "ramp", "burstgpt", "azure_conv")
+GB200_TRACES = ("glm_agent",)
+
+
+def agent_trace(name: str, seed: int) -> Trace:
+    spec = replace(TRACES[name], seed=TRACES[name].seed + seed)
+    sessions = build_trace(spec)
+    return Trace(
+        name,
+        spec.duration_s,
+        spec.system_tokens,
+        tuple(
+            Session(s.start_s, tuple(Turn(t.tool_tokens, t.max_tokens, t.think_s) for t in s.turns)) for s in sessions
+        ),
+    )
+
+
+def make_trace(name: str, seed: int) -> Trace:
+    return agent_trace(name, seed) if name in TRACES else GENERATORS[name](seed)
+
+
+@dataclass
+class Row:
+    label: str
+    attainment: float
+    tok_s: float
+    ttft_p50: float
+    ttft_p90: float
+    itl_p50: float
+    itl_p90: float
+    aborted: int
+
+
+def summarize(sim: Sim) -> Row:
+    o = sim.outcomes()
+    ttft = [x.ttft for x in o if x.ttft is not None]
+    itl = [x.itl for x in o if x.itl is not None]
+    return Row(
+        sim.policy.label,
+        sum(sim.meets(x) for x in o) / max(1, len(o)),
+        sim.batch_tok_s(),
+        pct(ttft, 0.5),
+        pct(ttft, 0.9),
+        pct(itl, 0.5),
+        pct(itl, 0.9),
+        sim.batch_aborted,
+    )
+
+
+def one(fleet: FleetSpec, trace: Trace, seed: int, sweep: list[int], oracle: bool) -> dict[str, Any]:
+    a = Sim(fleet, trace, Policy("none"), slo=SloRule(1e9, 1e9), seed=seed)
+    a.finish()
+    o = a.outcomes()
+    slo = SloRule(
+        2 * pct([x.ttft for x in o if x.ttft is not None], 0.9),
+        1.3 * pct([x.itl for x in o if x.itl is not None], 0.9),
+    )
+    a.slo = slo
+    rows = {"a": summarize(a)}
+    allowed = {(r.session, r.turn) for r, x in zip(a.interactive, o, strict=True) if not a.meets(x)}
+    for limit in sweep:
+        s = Sim(fleet, trace, Policy("static", limit=limit), slo=slo, seed=seed)
+        s.finish()
+        rows[f"s{limit}"] = summarize(s)
+    c = Sim(fleet, trace, Policy("controller"), slo=slo, seed=seed)
+    c.finish()
+    rows["c"] = summarize(c)
+    out: dict[str, Any] = {"rows": rows, "slo": slo, "escalated": c.escalated, "decisions": c.decisions}
+    if oracle:
+        res = search(fleet, trace, slo=slo, seed=seed, allowed=allowed)
+        rows["oracle"] = summarize(res.sim)
+        out["oracle"] = {"tries": res.tries, "backtracks": res.backtracks}
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="one seed, the split mocker fleet and the GB200 fleet")
+    p.add_argument("--seeds", type=int, default=20)
+    p.add_argument("--oracle-seeds", type=int, default=5)
+    p.add_argument("--sweep", default="2,4,8,16,24,32")
+    p.add_argument("--fleets", default="mocker-disagg,mocker-agg,gb200-glm53")
+    a = p.parse_args(argv)
+    seeds, oracle_seeds, fleets = a.seeds, a.oracle_seeds, a.fleets.split(",")
+    if a.quick:
+        seeds, oracle_seeds, fleets = 1, 1, ["mocker-disagg", "gb200-glm53"]
+        a.sweep = "4,8,16,32"
+    sweep = [int(x) for x in a.sweep.split(",")]
+    started = time.time()
+    vs_oracle: list[float] = []
+    vs_static: list[float] = []
+    gaps: list[float] = []
+    beaten: list[str] = []
+    n_traces = 0
+    for fleet_name in fleets:
+        base = FleetSpec.load(fleet_name)
+        names = GB200_TRACES if fleet_name.startswith("gb200") else MOCKER_TRACES
+        for trace_name in names:
+            n_traces += 1
+            for kv in (576, 352):
+                fleet = base.with_kv(kv)
+                per: list[dict[str, Any]] = []
+                for seed in range(seeds):
+                    per.append(one(fleet, make_trace(trace_name, seed), seed, sweep, seed < oracle_seeds))
+                print(f"\n== {fleet_name} {trace_name} kv{kv}: {seeds} seeds (oracle {min(seeds, oracle_seeds)})")
+                print(
+                    f"{'run':>7} {'attain%':>8} {'batch tok/s':>12} {'ttft p50/p90 ms':>16} {'itl p50/p90 ms':>15} {'shed':>6}"
+                )
+                for label in per[0]["rows"]:
+                    rs = [x["rows"][label] for x in per if label in x["rows"]]
+                    att = statistics.median(r.attainment for r in rs) * 100
+                    tok = statistics.median(r.tok_s for r in rs)
+                    print(
+                        f"{label:>7} {att:8.1f} {tok:12.0f} "
+                        f"{statistics.median(r.ttft_p50 for r in rs) * 1e3:7.0f}/{statistics.median(r.ttft_p90 for r in rs) * 1e3:<8.0f}"
+                        f"{statistics.median(r.itl_p50 for r in rs) * 1e3:7.1f}/{statistics.median(r.itl_p90 for r in rs) * 1e3:<7.1f}"
+                        f"{statistics.median(r.aborted for r in rs):6.0f}"
+                    )
+                ro, rs_ = [], []
+                for x in per:
+                    rows = x["rows"]
+                    base_att = rows["a"].attainment
+                    c = rows["c"]
+                    gaps.append((base_att - c.attainment) * 100)
+                    holding = [
+                        r.tok_s for k, r in rows.items() if k.startswith("s") and r.attainment >= base_att - 0.01
+                    ]
+                    if holding and max(holding) > 0:
+                        rs_.append(c.tok_s / max(holding))
+                    if "oracle" in rows and rows["oracle"].tok_s > 0:
+                        ro.append(c.tok_s / rows["oracle"].tok_s)
+                        for k, r in rows.items():
+                            if k != "oracle" and r.attainment >= base_att - 0.01 and r.tok_s > rows["oracle"].tok_s:
+                                beaten.append(
+                                    f"{fleet_name}/{trace_name}/kv{kv}: {k} {r.tok_s:.0f} > oracle {rows['oracle'].tok_s:.0f}"
+                                )
+                vs_oracle += ro
+                vs_static += rs_
+                if ro:
+                    print(f"controller/oracle: median {statistics.median(ro):.2f} worst {min(ro):.2f}", end="; ")
+                if rs_:
+                    print(f"controller/best SLO-holding static: median {statistics.median(rs_):.2f}", end="; ")
+                print(f"attainment gap (a)-(c): median {statistics.median(gaps[-len(per) :]):.1f} pts")
+                if fleet_name.startswith("gb200"):
+                    gpus = (fleet.prefill_workers + fleet.decode_workers) * fleet.gpus_per_worker
+                    tok = statistics.median(x["rows"]["c"].tok_s for x in per)
+                    print(f"gb200: controller batch output {tok / gpus:.0f} tok/s per GPU ({gpus} GPUs)")
+    if beaten:
+        print("\nSLO-holding runs that beat the oracle (the oracle's search is not exhaustive):")
+        for line in beaten:
+            print("  " + line)
+    line = (
+        f"harvest_sim: traces={n_traces} seeds={seeds} "
+        f"median_vs_oracle={statistics.median(vs_oracle):.2f} worst_vs_oracle={min(vs_oracle):.2f} "
+        f"median_vs_best_static={statistics.median(vs_static):.2f} attainment_gap_pts={statistics.median(gaps):.1f}"
+    )
+    print(f"\n{line}\n({time.time() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
