@@ -23,7 +23,7 @@ from backfill.scheduler.drain.escalation import (
     escalated_plan,
 )
 from backfill.scheduler.drain.policy import FairPlanner, PolicyConfig
-from backfill.scheduler.fleet.routing import FleetRoutes
+from backfill.scheduler.fleet.routing import FleetRoutes, Pool
 from backfill.storage.db import unit_of_work
 from backfill.storage.fleet_models import get_catalog
 from backfill.storage.leases import LeaseStore, get_lease_store
@@ -172,10 +172,19 @@ def make_capacity_loop(
             "give one `;`-separated group of metrics endpoints per fleet URL, in the same order"
         )
     store = leases or get_lease_store()
-    loops = [
-        CapacityLoop(Controller(control_config(s)), FleetTelemetry(eps), store, deployment=i)
-        for i, eps in enumerate(deployments)
-    ]
+    loops = []
+    for i, eps in enumerate(deployments):
+        models = sorted({ep.model for ep in eps if ep.model})
+        if len(models) < 2:
+            loops.append(CapacityLoop(Controller(control_config(s)), FleetTelemetry(eps), store, deployment=i))
+            continue
+        # A deployment serving several models (its workers named `role@model=url`): a controller
+        # per model's pool, on that model's workers and the frontend's series for that model, so
+        # one model's interactive burst cuts only its own pool's limit.
+        for m in models:
+            own = [ep for ep in eps if ep.role == "frontend" or ep.model == m]
+            telemetry = FleetTelemetry(own, model=m)
+            loops.append(CapacityLoop(Controller(control_config(s)), telemetry, store, deployment=Pool(i, m)))
     return loops[0] if len(loops) == 1 else FleetCapacityLoop(loops)
 
 

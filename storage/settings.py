@@ -34,12 +34,16 @@ class MetricsEndpoint:
 
     role: str  # "frontend" | "agg" | "prefill" | "decode"
     url: str
+    # The model a worker serves (a frontend's: the one model its per-model series are read for);
+    # None: the deployment's only model, or all of them.
+    model: str | None = None
 
 
 def parse_metrics_endpoints(spec: str) -> list[list[MetricsEndpoint]]:
     """`role=url,role=url;role=url,...`: deployments separated by `;`, endpoints by `,`.
 
-    A bare URL (no `role=`) is taken as a frontend."""
+    A bare URL (no `role=`) is taken as a frontend. `role@model=url` names the model a worker
+    serves: a deployment whose workers are named so gets a capacity controller per model."""
     deployments: list[list[MetricsEndpoint]] = []
     for chunk in spec.split(";"):
         eps = []
@@ -50,10 +54,11 @@ def parse_metrics_endpoints(spec: str) -> list[list[MetricsEndpoint]]:
             role, sep, url = item.partition("=")
             if not sep:
                 role, url = "frontend", item
+            role, at, model = role.partition("@")
             role = role.strip().lower()
             if role not in METRICS_ROLES:
                 raise ValueError(f"unknown metrics endpoint role {role!r} in {item!r}")
-            eps.append(MetricsEndpoint(role, url.strip()))
+            eps.append(MetricsEndpoint(role, url.strip(), model.strip() or None if at else None))
         if eps:
             deployments.append(eps)
     return deployments

@@ -55,15 +55,15 @@ def limit_key(deployment: int | Pool) -> str:
     return f"limit:{pool_of(deployment)}"
 
 
-def shed_key(deployment: int) -> str:
+def shed_key(deployment: int | Pool) -> str:
     return f"shed:{pool_of(deployment)}"
 
 
-def kv_key(deployment: int) -> str:
+def kv_key(deployment: int | Pool) -> str:
     return f"kv:{pool_of(deployment)}"
 
 
-def obs_key(deployment: int) -> str:
+def obs_key(deployment: int | Pool) -> str:
     return f"obs:{pool_of(deployment)}"
 
 
@@ -147,6 +147,9 @@ class Admission:
         self.deployments = max(1, deployments)
         self.logs = [ObservationLog(leases, key=obs_key(d)) for d in range(self.deployments)]
         self.log = self.logs[0]
+        # A model's pool on a deployment that serves several: what its lines observe steers that
+        # model's controller (`scheduler.runtime.make_capacity_loop`), not the deployment's.
+        self.pool_logs: dict[Pool, ObservationLog] = {}
         self._last_flush = 0.0
         self._turn = 0
 
@@ -159,7 +162,7 @@ class Admission:
         # Fail closed: with no fresh word from the controller, only the floor is released.
         return int(published) if published is not None and published.isdigit() else self.floor
 
-    def shed_target(self, deployment: int = 0) -> int | None:
+    def shed_target(self, deployment: int | Pool = 0) -> int | None:
         """In-flight batch requests the controller wants at most, right now (None: no shedding)."""
         if not self.controlled:
             return None
@@ -221,7 +224,9 @@ class Admission:
             delay = min(delay * 2, 0.2)
 
     def _take_round(self, n: int, room: dict[Pool, int] | None) -> list[tuple[str, Pool]]:
-        pools = [p for p, k in room.items() if k > 0] if room is not None else [Pool(d) for d in range(self.deployments)]
+        pools = (
+            [p for p, k in room.items() if k > 0] if room is not None else [Pool(d) for d in range(self.deployments)]
+        )
         start, self._turn = self._turn, self._turn + 1
         order = [pools[(start + k) % len(pools)] for k in range(len(pools))]
         out: list[tuple[str, Pool]] = []
@@ -249,15 +254,23 @@ class Admission:
             self.leases.count(pool_of(deployment, m)) for m in sorted(models or ())
         )
 
-    def observe(self, obs: Observation, deployment: int = 0) -> None:
-        self.logs[deployment if deployment < self.deployments else 0].record(obs)
+    def observe(self, obs: Observation, deployment: int | Pool = 0) -> None:
+        # The deployment's counters see every line (its controller, the fleet's rate); a model's
+        # pool's see its own as well (that model's controller).
+        d = deployment.deployment if isinstance(deployment, Pool) else deployment
+        self.logs[d if d < self.deployments else 0].record(obs)
+        if isinstance(deployment, Pool) and deployment.model is not None:
+            pool_log = self.pool_logs.get(deployment)
+            if pool_log is None:
+                pool_log = self.pool_logs[deployment] = ObservationLog(self.leases, key=obs_key(deployment))
+            pool_log.record(obs)
         if self.observer is not None:
             self.observer(obs)
 
     def totals(self) -> dict[str, float]:
         """The observation counters summed over every deployment."""
         out = dict.fromkeys(OBS_FIELDS, 0.0)
-        for log in self.logs:
+        for log in self.logs:  # (a model pool's counters are a part of its deployment's)
             for name, value in log.totals().items():
                 out[name] += value
         return out
@@ -266,7 +279,7 @@ class Admission:
         now = time.monotonic()
         if now - self._last_flush >= every_s:
             self._last_flush = now
-            for log in self.logs:
+            for log in [*self.logs, *self.pool_logs.values()]:
                 log.flush()
 
 

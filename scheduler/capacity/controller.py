@@ -25,6 +25,7 @@ from backfill.scheduler.capacity.admission import (
 )
 from backfill.scheduler.capacity.law import Controller, Decision, ObsDelta
 from backfill.scheduler.capacity.telemetry import FleetSnapshot, FleetTelemetry
+from backfill.scheduler.fleet.routing import Pool
 from backfill.scheduler.metrics import record_decision
 from backfill.storage.leases import LeaseStore
 
@@ -43,7 +44,7 @@ class CapacityLoop:
         *,
         observations: ObservationLog | None = None,
         on_decision: Callable[[float, Decision], None] | None = None,
-        deployment: int = 0,
+        deployment: int | Pool = 0,
         publish_rate: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -147,9 +148,9 @@ class FleetCapacityLoop:
     def period_s(self) -> float:
         return min(loop.controller.cfg.period_s for loop in self.loops)
 
-    def once(self) -> dict[int, Decision]:
+    def once(self) -> dict[int | Pool, Decision]:
         """One step of every deployment's controller: their decisions, by deployment."""
-        decisions = {}
+        decisions: dict[int | Pool, Decision] = {}
         for loop in self.loops:
             try:
                 decisions[loop.deployment] = loop.once()
@@ -185,13 +186,13 @@ class DecisionLog:
     (auto mode on the fixed bound) a warning, repeated every `repeat_s`: an operator must see
     that the controller is not steering."""
 
-    def __init__(self, telemetry: dict[int, FleetTelemetry], repeat_s: float = 300.0) -> None:
+    def __init__(self, telemetry: dict[int | Pool, FleetTelemetry], repeat_s: float = 300.0) -> None:
         self.telemetry = telemetry
         self.repeat_s = repeat_s
-        self._last: dict[int, str] = {}
-        self._warned: dict[int, float] = {}
+        self._last: dict[int | Pool, str] = {}
+        self._warned: dict[int | Pool, float] = {}
 
-    def __call__(self, deployment: int, d: Decision) -> None:
+    def __call__(self, deployment: int | Pool, d: Decision) -> None:
         changed = d.reason != self._last.get(deployment)
         self._last[deployment] = d.reason
         if d.reason == "unseen":

@@ -105,6 +105,13 @@ def parse_prometheus(text: str, names: Collection[str] | None = None) -> dict[st
     return out
 
 
+def only_model(text: str, model: str) -> str:
+    """Prometheus text without the samples labelled with a model other than `model` (Dynamo's
+    frontend labels its per-model series `model="..."`); unlabelled samples stay."""
+    mine = f'model="{model}"'
+    return "\n".join(line for line in text.splitlines() if 'model="' not in line or mine in line)
+
+
 def _total(samples: dict[str, list[tuple[str, float]]], name: str) -> float | None:
     values = samples.get(name)
     return sum(v for _, v in values) if values else None
@@ -243,6 +250,9 @@ class FleetTelemetry:
     _last_preempted: dict[str, float] = field(default_factory=dict)
     # Where a scrape's time comes from: the simulator (`backfill.sim`) runs on a virtual clock.
     clock: Callable[[], float] = time.monotonic
+    # One model of a deployment that serves several: the frontend's series labelled with another
+    # model are left out (the endpoints list that model's workers only).
+    model: str | None = None
 
     def _get(self, url: str) -> str | None:
         if self._client is None:
@@ -268,7 +278,7 @@ class FleetTelemetry:
                 missing.append(ep.url)
                 continue
             if ep.role == "frontend":
-                frontend = self._frontend(ep.url, text)
+                frontend = self._frontend(ep.url, text if self.model is None else only_model(text, self.model))
             else:
                 workers.append(self._worker(ep, text))
         return FleetSnapshot(at=at, frontend=frontend, workers=tuple(workers), missing=tuple(missing))

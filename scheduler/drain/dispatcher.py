@@ -379,7 +379,7 @@ class Dispatcher:
                 call = asyncio.create_task(
                     post_request(self.fleet, request.endpoint, body, expand_n=self.expand_n, deployment=deployment)
                 )
-                self._calls.add(call, UNSHEDDABLE if escalated else deployment)
+                self._calls.add(call, UNSHEDDABLE if escalated else pool)
                 reply = await call
                 self.sent += 1
                 answer = Answer.of(reply)  # parsed here, once: observed now, recorded as it is
@@ -391,7 +391,7 @@ class Dispatcher:
                         # fleet paths without spending an attempt (its breaker stops the next ones).
                         sent=answer.sent and not answer.transient,
                     )
-                self._observe(reply, answer, deployment)
+                self._observe(reply, answer, pool)
                 record_fleet_reply(reply)
         except asyncio.CancelledError:
             if call is None or not call.cancelled():
@@ -411,8 +411,8 @@ class Dispatcher:
             self._returns.add(lease, pool)
         await self.recorder.put(Done(request, answer))
 
-    def _observe(self, reply: FleetReply, answer: Answer, deployment: int) -> None:
-        if deployment >= self.admission.deployments:
+    def _observe(self, reply: FleetReply, answer: Answer, pool: Pool) -> None:
+        if pool.deployment >= self.admission.deployments:
             return  # an overflow deployment: no controller steers it, its breaker guards it
         usage = answer.outcome.usage if reply.status_code == 200 else None
         self.admission.observe(
@@ -423,7 +423,7 @@ class Dispatcher:
                 prompt_tokens=usage.prompt_tokens if usage else 0,
                 completion_tokens=usage.completion_tokens if usage else 0,
             ),
-            deployment,
+            pool,
         )
 
     async def _keepalive(self) -> None:

@@ -269,7 +269,9 @@ class EscalatedRelease:
         escalations = await asyncio.to_thread(self.escalated)
         if not escalations:
             return []
-        out = await self._by_model(want, holder, self.relaxed_plan, self._relaxed_room(states, held), routes, escalations)
+        out = await self._by_model(
+            want, holder, self.relaxed_plan, self._relaxed_room(states, held), routes, escalations
+        )
         if any(e.overflow_lines for e in escalations.values()) and self.limits.overflow_deployments:
             room = self._overflow_room(states, held)
             out += await self._by_model(want, holder, self.overflow_plan, room, routes, escalations)

@@ -18,6 +18,7 @@ from redis.exceptions import RedisError
 
 from backfill.scheduler.capacity.admission import Admission, pool_of
 from backfill.scheduler.fleet.client import FleetReply
+from backfill.scheduler.fleet.routing import Pool
 from backfill.storage.leases import LeaseStore
 
 log = logging.getLogger("backfill.dispatch")
@@ -33,19 +34,19 @@ def shed_count(total: int, target: int, mine: int) -> int:
 
 
 class InflightCalls:
-    """The fleet calls of one drain, each with its start time and the deployment whose capacity
-    lease it holds."""
+    """The fleet calls of one drain, each with its start time and the pool (a deployment, or one
+    model's pool on it: `scheduler.fleet.routing.Pool`) whose capacity lease it holds."""
 
     def __init__(self, admission: Admission, leases: LeaseStore, lease_store_down: Callable[[str], None]) -> None:
         self.admission = admission
         self.leases = leases
         self._lease_store_down = lease_store_down
-        self._calls: dict[FleetCall, tuple[float, int]] = {}
+        self._calls: dict[FleetCall, tuple[float, int | Pool]] = {}
 
     def __len__(self) -> int:
         return len(self._calls)
 
-    def add(self, call: FleetCall, deployment: int) -> None:
+    def add(self, call: FleetCall, deployment: int | Pool) -> None:
         self._calls[call] = (time.monotonic(), deployment)
 
     def discard(self, call: FleetCall) -> None:
@@ -55,7 +56,7 @@ class InflightCalls:
         for call in list(self._calls):
             call.cancel()
 
-    def started_on(self, deployment: int) -> dict[FleetCall, float]:
+    def started_on(self, deployment: int | Pool) -> dict[FleetCall, float]:
         """The calls holding `deployment`'s leases, with their start times."""
         return {c: t for c, (t, d) in self._calls.items() if d == deployment}
 
@@ -75,7 +76,12 @@ class InflightCalls:
             await asyncio.sleep(every_s)
             try:
                 await asyncio.to_thread(self.admission.flush_observations)
-                for deployment in range(self.admission.deployments):
+                # Each pool this drain holds lines of: a model's pool has its own shed target.
+                for deployment in {d for _, d in self._calls.values()}:
+                    if isinstance(deployment, int) and (deployment < 0 or deployment >= self.admission.deployments):
+                        continue  # escalated (unsheddable) or an overflow deployment's
+                    if isinstance(deployment, Pool) and deployment.deployment >= self.admission.deployments:
+                        continue
                     mine = self.started_on(deployment)
                     if not mine:
                         continue
