@@ -83,6 +83,7 @@ def prepare_batch(salt: str, n: int) -> str:
             endpoint="/v1/chat/completions",
             completion_window="24h",
             windows={"24h": 86400},
+            multipliers={},
         ).id
     result = validate_lines(
         store.open(key),

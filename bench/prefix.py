@@ -115,6 +115,7 @@ def prepare_batch(work: Workload, salt: str, model_dir: Path) -> str:
             endpoint="/v1/chat/completions",
             completion_window="24h",
             windows={"24h": 86400},
+            multipliers={},
         ).id
     result = validate_lines(
         store.open(key),

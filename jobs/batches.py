@@ -16,7 +16,6 @@ from backfill.jobs.endpoints import BATCH_ENDPOINTS
 from backfill.jobs.errors import Conflict, InvalidRequest, NotFound
 from backfill.jobs.files import get_file, validate_expiry
 from backfill.jobs.models import Batch, BatchStatus, utcnow
-from backfill.storage.settings import get_settings
 
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
@@ -54,7 +53,7 @@ def create_batch(
     metadata: Any = None,
     output_expires_after: dict[str, Any] | None = None,
     api_key_id: str | None = None,
-    multipliers: Mapping[str, Decimal] | None = None,
+    multipliers: Mapping[str, Decimal],
 ) -> Batch:
     """A `validating` batch; `api_key_id` is the creating key, which its usage is recorded under.
     It is billed at the prices and the window's multiplier in force now (`multipliers`, by
@@ -94,9 +93,7 @@ def create_batch(
         created_at=now,
         expires_at=now + timedelta(seconds=window_s),
         price_version=current_price_version(session),  # billed at the prices in force now
-        price_multiplier=quoted_multiplier(
-            completion_window, multipliers if multipliers is not None else get_settings().window_price_multipliers
-        ),
+        price_multiplier=quoted_multiplier(completion_window, multipliers),
     )
     session.add(batch)
     session.flush()

@@ -2,9 +2,12 @@
 record each outcome in another (see `jobs.webhooks.events` for the state machine and the backoff).
 
 The scheduler loop calls `deliver_in_background()` every tick; one pass at a time runs in a
-thread of its own, so a slow or silent receiver never holds up the loop. At least once: a
-sender that dies between the POST and the record leaves the delivery claimed for a minute,
-after which it is sent again with the same `webhook-id`, which receivers deduplicate on.
+thread of its own, so a slow or silent receiver never holds up the loop. Within a pass each
+delivery is claimed, sent and recorded on its own, SENDERS at a time: a slow receiver holds one
+sender, never the others. Each POST has one overall deadline (`DEADLINE_S`, well under the
+claim's hold), however its receiver trickles its answer. At least once: a sender that dies
+between the POST and the record leaves the delivery claimed for a minute, after which it is
+sent again with the same `webhook-id`, which receivers deduplicate on.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import httpcore
 import httpx
@@ -22,6 +25,7 @@ import httpx
 from backfill.jobs.webhooks.events import DueDelivery, claim_due, record_attempt, signature_header
 from backfill.jobs.webhooks.targets import REFUSED, Address, Resolver, TargetPolicy, TargetRefused, system_resolver
 from backfill.storage.db import UnitOfWork, unit_of_work
+from backfill.storage.settings import get_settings
 
 log = logging.getLogger("backfill.webhooks")
 
@@ -31,7 +35,11 @@ CLAIM_PER_ROUND = 32
 SENDERS = 8
 # How long a claimed delivery is held before another sender may take it: past every timeout.
 HOLD_S = 60.0
-# One pass stops after this many rounds even if more keep falling due; the next tick goes on.
+# One POST, from connecting to the answer's status, however slowly the receiver trickles it:
+# well under HOLD_S, so no delivery is still being sent when another sender may claim it.
+DEADLINE_S = 20.0
+# One pass stops after this many rounds' worth of deliveries even if more keep falling due; the
+# next tick goes on.
 MAX_ROUNDS = 20
 
 
@@ -44,7 +52,9 @@ class WebhookSender:
         resolve: Resolver = system_resolver,
     ) -> None:
         self.units = units
-        self.poster = PinnedPoster(policy or TargetPolicy.from_settings(), resolve=resolve, user_agent=USER_AGENT)
+        self.poster = PinnedPoster(
+            policy or TargetPolicy.from_settings(get_settings()), resolve=resolve, user_agent=USER_AGENT
+        )
 
     def send(self, due: DueDelivery) -> tuple[int | None, str | None]:
         """One POST: (status code, None) when the receiver answered, (None, why) when not. A
@@ -68,31 +78,35 @@ class WebhookSender:
         except (httpx.InvalidURL, KeyError, UnicodeError):
             return None, "InvalidURL"
 
-    def deliver_round(self) -> int:
-        """Claim what is due, send it (a few at once), record the outcomes; returns how many."""
+    def deliver(self, item: DueDelivery) -> None:
+        """Send one claimed delivery and record its outcome at once (not after the others')."""
+        status_code, error = self.send(item)
         with self.units() as session:
-            due = claim_due(session, limit=CLAIM_PER_ROUND, hold_s=HOLD_S)
-        if not due:
-            return 0
-        with ThreadPoolExecutor(max_workers=min(SENDERS, len(due)), thread_name_prefix="webhook") as pool:
-            outcomes = list(pool.map(self.send, due))
-        for item, (status_code, error) in zip(due, outcomes, strict=True):
-            with self.units() as session:
-                status = record_attempt(session, due=item, status_code=status_code, error=error)
-            if status == "failed":
-                log.warning(
-                    "webhook delivery %s to %s gave up after %d attempts", item.delivery_id, item.url, item.attempt
-                )
-        return len(due)
+            status = record_attempt(session, due=item, status_code=status_code, error=error)
+        if status == "failed":
+            log.warning("webhook delivery %s to %s gave up after %d attempts", item.delivery_id, item.url, item.attempt)
 
     def deliver_due(self) -> int:
-        total = 0
-        for _ in range(MAX_ROUNDS):
-            n = self.deliver_round()
-            total += n
-            if n < CLAIM_PER_ROUND:
-                break
-        return total
+        """Send what is due, SENDERS at a time, claiming more as senders free up (a slow receiver
+        holds its own sender only); returns how many were sent."""
+        total, budget = 0, MAX_ROUNDS * CLAIM_PER_ROUND
+        running: set[Future[None]] = set()
+        more = True
+        with ThreadPoolExecutor(max_workers=SENDERS, thread_name_prefix="webhook") as pool:
+            while True:
+                room = min(SENDERS - len(running), budget - total)
+                if more and room > 0:
+                    with self.units() as session:
+                        due = claim_due(session, limit=room, hold_s=HOLD_S)
+                    more = len(due) == room  # fewer: nothing else is due now
+                    total += len(due)
+                    running |= {pool.submit(self.deliver, item) for item in due}
+                if not running:
+                    return total
+                finished, running = wait(running, return_when=FIRST_COMPLETED)
+                for f in finished:
+                    if f.exception() is not None:
+                        log.error("webhook delivery failed", exc_info=f.exception())
 
 
 class BackgroundDelivery:
@@ -151,11 +165,44 @@ TIMEOUTS = {"connect": 5.0, "read": 10.0, "write": 10.0, "pool": 10.0}
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
-class PinnedBackend(httpcore.NetworkBackend):
-    """Connects `host` to `address` and refuses any other host."""
+class DeadlineStream(httpcore.NetworkStream):
+    """A connection whose every read and write ends by one deadline: per-operation timeouts
+    alone let a receiver that sends a byte every few seconds hold a POST for as long as it likes."""
 
-    def __init__(self, host: str, address: Address) -> None:
-        self.host, self.address = host, address
+    def __init__(self, inner: httpcore.NetworkStream, deadline: float) -> None:
+        self.inner, self.deadline = inner, deadline
+
+    def _left(self, timeout: float | None, error: type[Exception]) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise error("the delivery's deadline passed")
+        return left if timeout is None else min(timeout, left)
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self.inner.read(max_bytes, self._left(timeout, httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self.inner.write(buffer, self._left(timeout, httpcore.WriteTimeout))
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def start_tls(
+        self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
+    ) -> httpcore.NetworkStream:
+        inner = self.inner.start_tls(ssl_context, server_hostname, self._left(timeout, httpcore.ConnectTimeout))
+        return DeadlineStream(inner, self.deadline)
+
+    def get_extra_info(self, info: str) -> object:
+        return self.inner.get_extra_info(info)
+
+
+class PinnedBackend(httpcore.NetworkBackend):
+    """Connects `host` to `address` and refuses any other host; every connection ends by `deadline`
+    (a `time.monotonic()` value)."""
+
+    def __init__(self, host: str, address: Address, deadline: float = float("inf")) -> None:
+        self.host, self.address, self.deadline = host, address, deadline
         self._inner = httpcore.SyncBackend()
 
     def connect_tcp(
@@ -168,7 +215,13 @@ class PinnedBackend(httpcore.NetworkBackend):
     ) -> httpcore.NetworkStream:
         if host != self.host:
             raise httpcore.ConnectError("refused: not the checked host")
-        return self._inner.connect_tcp(str(self.address), port, timeout, local_address, socket_options)
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise httpcore.ConnectTimeout("the delivery's deadline passed")
+        left = left if timeout is None else min(timeout, left)
+        return DeadlineStream(
+            self._inner.connect_tcp(str(self.address), port, left, local_address, socket_options), self.deadline
+        )
 
     def connect_unix_socket(
         self, path: str, timeout: float | None = None, socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None
@@ -196,6 +249,7 @@ class PinnedPoster:
     def post(self, url: str, *, body: bytes, headers: Mapping[str, str]) -> int:
         """The status code of the answer (its body is never read). Raises TargetRefused for a
         host that is not allowed, OSError when it does not resolve, httpcore errors otherwise."""
+        deadline = time.monotonic() + DEADLINE_S
         target = httpx.URL(url)
         host = target.raw_host.decode("ascii")
         port = target.port or _DEFAULT_PORTS[target.scheme]
@@ -207,7 +261,7 @@ class PinnedPoster:
             *headers.items(),
         ]
         with httpcore.ConnectionPool(
-            ssl_context=self.ssl_context, network_backend=PinnedBackend(host, address), retries=0
+            ssl_context=self.ssl_context, network_backend=PinnedBackend(host, address, deadline), retries=0
         ) as pool:
             with pool.stream(
                 "POST",

@@ -59,6 +59,7 @@ def create_batch(body: CreateBatchBody, principal: CurrentPrincipal, session: Db
         endpoint=body.endpoint,
         completion_window=body.completion_window,
         windows=get_settings().completion_windows,
+        multipliers=get_settings().window_price_multipliers,
         metadata=body.metadata,
         output_expires_after=body.output_expires_after,
         api_key_id=principal.key_id,

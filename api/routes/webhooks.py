@@ -39,6 +39,8 @@ from backfill.jobs.webhooks.events import (
     rotate_secret,
     update_endpoint,
 )
+from backfill.jobs.webhooks.targets import TargetPolicy
+from backfill.storage.settings import get_settings
 
 router = APIRouter(prefix="/v1", tags=["webhooks"], responses=error_responses(*COMMON_ERRORS))
 
@@ -48,7 +50,12 @@ def create_webhook_endpoint(
     body: CreateEndpointBody, principal: CurrentPrincipal, session: DbSession
 ) -> WebhookEndpointWithSecret:
     endpoint = create_endpoint(
-        session, team_id=principal.team_id, name=body.name, url=body.url, event_types=body.event_types
+        session,
+        team_id=principal.team_id,
+        name=body.name,
+        url=body.url,
+        event_types=body.event_types,
+        policy=TargetPolicy.from_settings(get_settings()),
     )
     return endpoint_with_secret(endpoint)
 
@@ -86,6 +93,7 @@ def update_webhook_endpoint(
         name=body.name,
         url=body.url,
         event_types=body.event_types,
+        policy=TargetPolicy.from_settings(get_settings()),
     )
     return endpoint_out(endpoint)
 

@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 from backfill.jobs.errors import InvalidRequest, NotFound
 from backfill.jobs.models import Batch, BatchStatus, utcnow
 from backfill.jobs.webhooks.models import DeliveryStatus, WebhookDelivery, WebhookEndpoint, WebhookEvent
-from backfill.jobs.webhooks.targets import check_url_target, invalid_url
+from backfill.jobs.webhooks.targets import TargetPolicy, check_url_target, invalid_url
 
 # Keyed by the status's value: a BatchStatus is the str it stands for.
 EVENT_OF_STATUS: dict[str, str] = {
@@ -88,7 +88,7 @@ def active_secrets(endpoint: WebhookEndpoint, *, now: datetime) -> list[str]:
 # -- Endpoints ----------------------------------------------------------------------------------
 
 
-def _check_url(url: str) -> str:
+def _check_url(url: str, policy: TargetPolicy) -> str:
     url = url.strip()
     try:
         parts = urlsplit(url)
@@ -105,7 +105,7 @@ def _check_url(url: str) -> str:
         raise InvalidRequest(
             f"'url' must be an http(s) URL of at most {MAX_URL_CHARS} characters, without credentials.", param="url"
         )
-    check_url_target(url)
+    check_url_target(url, policy)
     return url
 
 
@@ -125,9 +125,10 @@ def _check_name(name: str) -> str:
 
 
 def create_endpoint(
-    session: Session, *, team_id: str, name: str, url: str, event_types: Sequence[str]
+    session: Session, *, team_id: str, name: str, url: str, event_types: Sequence[str], policy: TargetPolicy
 ) -> WebhookEndpoint:
-    """A new endpoint with a fresh signing secret (the caller shows it once)."""
+    """A new endpoint with a fresh signing secret (the caller shows it once); its URL must be a
+    target `policy` allows."""
     held = session.execute(select(WebhookEndpoint.id).where(WebhookEndpoint.team_id == team_id)).all()
     if len(held) >= MAX_ENDPOINTS_PER_TEAM:
         raise InvalidRequest(
@@ -139,7 +140,7 @@ def create_endpoint(
     endpoint = WebhookEndpoint(
         team_id=team_id,
         name=_check_name(name),
-        url=_check_url(url),
+        url=_check_url(url, policy),
         event_types=_check_event_types(event_types),
         secret=new_signing_secret(),
         created_at=now,
@@ -179,11 +180,12 @@ def update_endpoint(
     name: str | None = None,
     url: str | None = None,
     event_types: Sequence[str] | None = None,
+    policy: TargetPolicy,
 ) -> WebhookEndpoint:
     endpoint = get_endpoint(session, team_id=team_id, endpoint_id=endpoint_id)
     changes = {
         "name": _check_name(name) if name is not None else endpoint.name,
-        "url": _check_url(url) if url is not None else endpoint.url,
+        "url": _check_url(url, policy) if url is not None else endpoint.url,
         "event_types": _check_event_types(event_types) if event_types is not None else endpoint.event_types,
     }
     if any(getattr(endpoint, field) != value for field, value in changes.items()):

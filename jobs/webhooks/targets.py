@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from backfill.jobs.errors import InvalidRequest
-from backfill.storage.settings import Settings, get_settings
+from backfill.storage.settings import Settings
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -142,8 +142,7 @@ class TargetPolicy:
     allowed_networks: tuple[Network, ...] = field(default_factory=tuple)
 
     @classmethod
-    def from_settings(cls, settings: Settings | None = None) -> TargetPolicy:
-        s = settings or get_settings()
+    def from_settings(cls, s: Settings) -> TargetPolicy:
         return cls.of(s.webhook_allowed_hosts, allow_loopback=s.environment != "production")
 
     @classmethod
@@ -203,7 +202,7 @@ def invalid_url() -> InvalidRequest:
     return InvalidRequest("'url' is not a valid URL.", param="url", code="invalid_url")
 
 
-def check_url_target(url: str) -> None:
+def check_url_target(url: str, policy: TargetPolicy) -> None:
     """Refuse a host that is or resolves to a non-public address (see jobs.webhooks.targets); a
     name that does not resolve yet is accepted, as every delivery checks again."""
     try:
@@ -218,7 +217,7 @@ def check_url_target(url: str) -> None:
     if "\\" in url or not hosts_agree or (literal_address(host) is None and not valid_name(normal_host(host))):
         raise invalid_url()
     try:
-        TargetPolicy.from_settings().check(host, port)
+        policy.check(host, port)
     except TargetRefused:
         raise InvalidRequest(
             "'url' must point to a public address: this host is, or resolves to, a private, loopback, "

@@ -15,7 +15,7 @@ import pytest
 from backfill.jobs.errors import InvalidRequest
 from backfill.jobs.webhooks.targets import REFUSED, TargetPolicy, TargetRefused, check_url_target, literal_address
 from backfill.scheduler.webhook_delivery import PinnedPoster
-from backfill.storage.process_state import reset as reset_process_state
+from backfill.storage.settings import Settings
 
 PRODUCTION = TargetPolicy()
 
@@ -98,27 +98,13 @@ def test_public_addresses_pass(host: str) -> None:
         "http://127.0.0.1\\@evil.example/",  # parsers disagree on the host: refused
     ],
 )
-def test_registration_refuses_non_public_urls(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_registration_refuses_non_public_urls(url: str) -> None:
     from backfill.jobs.webhooks.events import _check_url
 
-    monkeypatch.setenv("BACKFILL_ENVIRONMENT", "production")
-    monkeypatch.setenv("BACKFILL_WEBHOOK_ALLOWED_HOSTS", "")
-    _reload_settings(monkeypatch)
+    production = TargetPolicy.from_settings(Settings(environment="production", webhook_allowed_hosts=""))
     with pytest.raises(InvalidRequest) as refused:
-        _check_url(url)
+        _check_url(url, production)
     assert refused.value.param == "url"
-
-
-def _reload_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-
-    reset_process_state()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_settings() -> Iterator[None]:
-
-    yield
-    reset_process_state()
 
 
 def test_a_name_is_refused_if_any_address_it_resolves_to_is_private() -> None:
@@ -223,4 +209,4 @@ def test_the_connection_goes_to_the_checked_address_with_the_urls_host(host_echo
 
 
 def test_check_url_target_accepts_names_that_do_not_resolve_yet() -> None:
-    check_url_target("https://no-such-host.invalid/hooks")  # every delivery checks again
+    check_url_target("https://no-such-host.invalid/hooks", TargetPolicy())  # every delivery checks again

@@ -92,7 +92,14 @@ def _event(session: Session, url: str, status: BatchStatus = BatchStatus.complet
     team = Team(name=f"t-{new_signing_secret()[-8:]}")
     session.add(team)
     session.flush()
-    endpoint = create_endpoint(session, team_id=team.id, name="r", url=url, event_types=list(EVENT_TYPES))
+    endpoint = create_endpoint(
+        session,
+        team_id=team.id,
+        name="r",
+        url=url,
+        event_types=list(EVENT_TYPES),
+        policy=TargetPolicy.of(["127.0.0.1/32"], allow_loopback=True),
+    )
     now = utcnow()
     batch = Batch(
         team_id=team.id,

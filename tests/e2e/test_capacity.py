@@ -122,6 +122,7 @@ def make_batch(
             endpoint="/v1/chat/completions",
             completion_window=window,
             windows={window: int(expires_in_s)},
+            multipliers={},
         ).id
     result = validate_lines(
         store.open(files.file_key(team_id, file_id)),

@@ -20,6 +20,7 @@ from backfill.jobs.execution.replies import Outcome, Usage
 from backfill.jobs.execution.results import record_outcome
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, File, Team
 from backfill.storage.process_state import reset as reset_process_state
+from backfill.storage.settings import get_settings
 
 WINDOWS = {"24h": 86400, "7d": 7 * 86400}
 USAGE = Usage(1000, 0, 100, 0)  # 1000 input at $1/M + 100 output at $4/M, half off: 700 micros at 1x
@@ -52,6 +53,7 @@ def _batch(s: Session, window: str, lines: int) -> str:
         endpoint="/v1/chat/completions",
         completion_window=window,
         windows=WINDOWS,
+        multipliers=get_settings().window_price_multipliers,
     )
     s.execute(  # what validation does, in short
         update(Batch)

@@ -17,6 +17,7 @@ from backfill.jobs.execution.replies import Outcome, Usage
 from backfill.jobs.execution.results import record_outcomes
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, File, Team, utcnow
 from backfill.jobs.teams import create_key
+from backfill.storage.settings import get_settings
 
 WINDOWS = {"24h": 24 * 3600}
 
@@ -32,6 +33,7 @@ def _batch_by(session: Session, team: Team, key_id: str, *, lines: int) -> str:
         endpoint="/v1/chat/completions",
         completion_window="24h",
         windows=WINDOWS,
+        multipliers=get_settings().window_price_multipliers,
         api_key_id=key_id,
     )
     # What validation does, in short: the lines, the model, in progress.
