@@ -476,7 +476,7 @@ def simulate(
     run = Sim(spec, trace, policy, slo=slo, seed=seed)
     run.finish()
     gpus = (spec.prefill_workers if spec.mode == "disagg" else 0) + spec.decode_workers
-    out = {"fleet": spec.name, "trace": trace.name, "slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s}}
+    out: dict[str, Any] = {"fleet": spec.name, "trace": trace.name, "slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s}}
     out["interactive_only"] = summary(a)
     out[policy.label] = summary(run)
     out["batch_output_tok_s_per_gpu"] = run.batch_tok_s() / max(1, gpus * spec.gpus_per_worker)

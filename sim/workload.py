@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,4 +142,4 @@ def glm_agent(seed: int, duration_s: float = 120.0, sessions_peak: int = 66, wav
     return Trace("glm_agent", duration_s, 4000, tuple(sorted(sessions, key=lambda s: s.start_s)))
 
 
-GENERATORS = {"burstgpt": burstgpt, "azure_conv": azure_conv, "glm_agent": glm_agent}
+GENERATORS: dict[str, Callable[[int], Trace]] = {"burstgpt": burstgpt, "azure_conv": azure_conv, "glm_agent": glm_agent}
