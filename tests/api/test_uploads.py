@@ -202,3 +202,20 @@ def test_parts_and_completions_take_upload_slots(path: str) -> None:
 
     assert is_upload({"type": "http", "method": "POST", "path": path})
     assert not is_upload({"type": "http", "method": "POST", "path": "/v1/uploads"})
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs"),
+    [("Upload", SdkUpload), ("UploadPart", SdkUploadPart)],
+)
+def test_the_wire_models_are_the_sdks(api: CheckedClient, ours: str, theirs: Any) -> None:
+    """OpenAI's published batch spec has no Uploads: the app's own document is held to the
+    official SDK's types instead (the same properties, required set and enums)."""
+    schema = api.fastapi_app.openapi()["components"]["schemas"][ours]
+    sdk = theirs.model_json_schema()
+    assert set(schema["properties"]) == set(sdk["properties"])
+    assert set(schema["required"]) == set(sdk["required"])
+    for name, prop in sdk["properties"].items():
+        for key in ("enum", "const"):
+            if key in prop:
+                assert schema["properties"][name].get(key) == prop[key], name
