@@ -9,8 +9,8 @@ import pytest
 from backfill.api.wire import project_id_in
 from backfill.jobs.teams import authenticate, create_key
 from backfill.storage.db import unit_of_work
+from backfill.storage.process_state import reset as reset_process_state
 from tests.api.conftest import ApiEnv, CheckedClient, Team
-from tests.api.test_ops import _clear_caches
 
 
 def test_only_the_configured_admin_key_reads_the_errors_and_nothing_is_looked_up(
@@ -28,14 +28,14 @@ def test_only_the_configured_admin_key_reads_the_errors_and_nothing_is_looked_up
     monkeypatch.setattr("backfill.jobs.teams.authenticate", counted)
     monkeypatch.setattr("backfill.api.routes.ops.authenticate", counted, raising=False)
     monkeypatch.setenv("BACKFILL_BROKER_URL", "redis://svc-user:hunter2-secret@127.0.0.1:9/0")
-    _clear_caches()
+    reset_process_state()
     try:
         as_database_admin = api.get("/ready", headers={"Authorization": f"Bearer {database_admin}"})
         as_configured_admin = api.get("/ready", headers={"Authorization": f"Bearer {api_env.admin_key}"})
         made_up = api.get("/ready", headers={"Authorization": "Bearer sk-made-up-0000"})
     finally:
         monkeypatch.undo()
-        _clear_caches()
+        reset_process_state()
     assert as_database_admin.status_code == 503
     assert as_database_admin.json()["checks"]["broker"]["error"] is None, as_database_admin.text
     assert made_up.json()["checks"]["broker"]["error"] is None
