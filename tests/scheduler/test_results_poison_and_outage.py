@@ -13,13 +13,14 @@ import psycopg
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
+from backfill.devfleet.services import PG_ADMIN_URL
 from backfill.jobs.execution.claims import ClaimedRequest
 from backfill.jobs.execution.results import ATTEMPTS_EXCEEDED
 from backfill.jobs.models import Batch, RequestState
 from backfill.scheduler.drain.recorder import Answer, Done, Recorder
 from backfill.scheduler.fleet.client import FleetReply
 from backfill.storage.db import unit_of_work
-from tests.scheduler.test_reclaim import PG_ADMIN_URL, lines_of, running_batch
+from tests.scheduler.test_reclaim import lines_of, running_batch
 from tests.scheduler.test_reclaim import scratch_db as scratch_db  # the fixture
 
 TOKEN = "drain-recorder"
