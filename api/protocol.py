@@ -499,6 +499,17 @@ class DashboardBatches(BaseModel):
     data: list[DashboardBatch]
 
 
+class PoolLoad(BaseModel):
+    """One lease pool's load: a deployment's, or one model's on a deployment serving several."""
+
+    pool: str  # `fleet`, `fleet:1`, a model's `fleet/MODEL`
+    deployment: str  # the deployment's base URL
+    model: str | None  # the model whose pool it is; None: the deployment's one pool
+    batch_inflight: int | None  # capacity leases held in the pool; None: unreadable
+    limit: int | None  # the lease limit released to the pool now; None: unreadable
+    fleet_inflight: int | None  # the model's (or deployment's) requests in flight at its frontend
+
+
 class FleetLoad(BaseModel):
     """One sample of the fleet's load and the batch share of it."""
 
@@ -509,3 +520,4 @@ class FleetLoad(BaseModel):
     interactive_inflight: int | None  # the rest of the fleet's in-flight requests
     limit: int | None  # the lease limit released to batch work now; None: unreadable
     capacity_control: bool  # whether the limit follows the fleet's telemetry (else it is fixed)
+    pools: list[PoolLoad] = []  # capacity per lease pool: per deployment, and per model where one serves several

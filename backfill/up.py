@@ -341,15 +341,19 @@ def run_up(*, port: int, fleet_workers: int, speedup: float) -> None:
                 fleet = _start_fleet(home, workers=fleet_workers, speedup=speedup)
                 stopping.kill_all = fleet.kill_now
                 env["BACKFILL_FLEET_URLS"] = fleet.base_url
-                fleet_line = f"{fleet.base_url}   (simulated: Dynamo frontend + {fleet_workers} mocker workers)"
+                fleet_line = (
+                    f"{fleet.base_url}   (simulated: Dynamo frontend; {fleet.model_name} on {fleet_workers} mocker"
+                    f" workers, {' and '.join(m for m in fleet.models[1:])} on one of its own)"
+                )
                 # The simulated fleet's own telemetry, so the capacity controller (on by default, `auto`)
-                # steers on it as it would on a production fleet (BACKFILL_CAPACITY_CONTROL=off: fixed).
+                # steers on it as it would on a production fleet (BACKFILL_CAPACITY_CONTROL=off: fixed);
+                # each worker named by its model, so each model's pool gets a controller of its own.
                 env.setdefault(
                     "BACKFILL_FLEET_METRICS_URLS",
                     ",".join(
                         [
                             f"frontend={fleet.frontend_metrics_url}",
-                            *(f"{w.role}={w.url}" for w in fleet.worker_metrics_urls),
+                            *(f"{w.role}@{w.model}={w.metrics_url}" for w in fleet.workers),
                         ]
                     ),
                 )

@@ -202,6 +202,22 @@ function renderFleetNow(s) {
     stat(s.capacity_control ? "released limit (controlled)" : "released limit (fixed)", s.limit),
     stat("batch share", share),
   );
+  // Capacity per pool: a deployment's, or each model's where a deployment serves several.
+  const show = (v) => (v === null || v === undefined ? "–" : String(v));
+  $("pools").querySelector("tbody").replaceChildren(
+    ...(s.pools ?? []).map((p) => {
+      const row = el("tr");
+      row.append(
+        el("td", {}, p.pool),
+        el("td", {}, p.model ?? "(all)"),
+        el("td", {}, p.deployment),
+        el("td", { class: "num" }, show(p.fleet_inflight)),
+        el("td", { class: "num" }, show(p.batch_inflight)),
+        el("td", { class: "num" }, show(p.limit)),
+      );
+      return row;
+    }),
+  );
 }
 
 async function sampleFleet() {

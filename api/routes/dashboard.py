@@ -31,11 +31,12 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from backfill.api.deps import CurrentPrincipal, DbSession
 from backfill.api.errors import COMMON_ERRORS, error_responses
-from backfill.api.protocol import DashboardBatch, DashboardBatches, DashboardTeam, FleetLoad
+from backfill.api.protocol import DashboardBatch, DashboardBatches, DashboardTeam, FleetLoad, PoolLoad
 from backfill.api.wire import batch_id_out, project_id_out, ts
 from backfill.jobs import batches as batch_service
 from backfill.jobs import teams as team_service
 from backfill.storage.db import unit_of_work
+from backfill.storage.fleet_models import get_catalog
 from backfill.storage.leases import Lease
 from backfill.storage.settings import Settings, get_settings
 
@@ -135,6 +136,49 @@ def lease_gauges(
     return int(held), value[len(f"val:{limit_key}:") :] if value else None
 
 
+def pool_names(settings: Settings) -> list[tuple[int, str | None, str]]:
+    """(deployment, model, pool name) of every lease pool of the fleet, as `scheduler.fleet.routing`
+    names them: a deployment's plain pool, or a pool per model where it serves several."""
+    out: list[tuple[int, str | None, str]] = []
+    for d, url in enumerate(settings.fleet_urls):
+        base = FLEET_POOL if d == 0 else f"{FLEET_POOL}:{d}"
+        served = get_catalog().served_by(url)
+        if served is None or len(served) < 2:
+            out.append((d, None, base))
+        else:
+            out += [(d, m, f"{base}/{m}") for m in sorted(served)]
+    return out
+
+
+def pool_loads(settings: Settings) -> list[PoolLoad]:
+    """Each pool's leases held and released limit (a model's pool without a controller of its
+    own takes its deployment's), and its requests in flight at the frontend."""
+    out = []
+    frontends = [next((ep.url for ep in eps if ep.role == "frontend"), None) for eps in settings.fleet_metrics]
+    for d, model, pool in pool_names(settings):
+        held: int | None
+        limit: int | None
+        try:
+            held, published = lease_gauges(settings, pool=pool, limit_key=f"limit:{pool}")
+            if published is None and model is not None:
+                published = lease_gauges(settings, pool=pool, limit_key=f"limit:{pool.split('/', 1)[0]}")[1]
+            limit = released_limit(settings, published)
+        except (redis.RedisError, SQLAlchemyError, OSError):
+            held = limit = None
+        url = frontends[d] if d < len(frontends) else None
+        out.append(
+            PoolLoad(
+                pool=pool,
+                deployment=settings.fleet_urls[d],
+                model=model,
+                batch_inflight=held,
+                limit=limit,
+                fleet_inflight=fleet_inflight([url], model=model) if url else None,
+            )
+        )
+    return out
+
+
 def released_limit(settings: Settings, published: str | None) -> int:
     """The limit admission applies now (as `scheduler.capacity.admission.Admission.limit`)."""
     if not settings.capacity_controlled:
@@ -148,18 +192,19 @@ def frontend_metrics_urls(settings: Settings) -> list[str]:
     return list(dict.fromkeys(urls))
 
 
-def _inflight_of(text: str) -> float:
+def _inflight_of(text: str, model: str | None = None) -> float:
     return sum(
         sample.value
         for family in text_string_to_metric_families(text)
         if family.name == INFLIGHT_METRIC
         for sample in family.samples
-        if sample.name == INFLIGHT_METRIC
+        if sample.name == INFLIGHT_METRIC and (model is None or sample.labels.get("model") == model)
     )
 
 
-def fleet_inflight(urls: list[str]) -> int | None:
-    """Requests in flight at the fleet's frontends (every kind), None if a frontend is unreadable."""
+def fleet_inflight(urls: list[str], *, model: str | None = None) -> int | None:
+    """Requests in flight at the fleet's frontends (every kind; of `model` only, given one), None
+    if a frontend is unreadable."""
     if not urls:
         return None
     total = 0.0
@@ -168,7 +213,7 @@ def fleet_inflight(urls: list[str]) -> int | None:
             for url in urls:
                 response = client.get(url)
                 response.raise_for_status()
-                total += _inflight_of(response.text)
+                total += _inflight_of(response.text, model)
     except (httpx.HTTPError, ValueError):
         return None
     return int(total)
@@ -205,6 +250,7 @@ def _sample(settings: Settings) -> FleetLoad:
         interactive_inflight=max(0, fleet - held) if fleet is not None and held is not None else None,
         limit=limit,
         capacity_control=settings.capacity_controlled,
+        pools=pool_loads(settings),
     )
 
 

@@ -24,12 +24,13 @@ from prometheus_client.registry import Collector
 from pydantic import BaseModel
 from sqlalchemy.exc import SQLAlchemyError
 
+from backfill.api.routes.dashboard import pool_loads
 from backfill.jobs.metrics import batches_by_status, lines_by_state
 from backfill.jobs.models import BatchStatus, RequestState
 from backfill.storage.db import unit_of_work
 from backfill.storage.metrics import scrape_registry
 from backfill.storage.readiness import CHECKS, NotConfigured
-from backfill.storage.settings import get_settings
+from backfill.storage.settings import Settings, get_settings
 
 log = logging.getLogger("backfill.api.ops")
 router = APIRouter(tags=["operations"])
@@ -79,6 +80,34 @@ class DatabaseGauges(Collector):
             "The configured bound on batch requests in flight (the controller's ceiling unless set).",
             value=s.max_inflight,
         )
+        yield from _pool_gauges(s)
+
+
+def _pool_gauges(s: Settings) -> Iterator[Metric]:
+    """Capacity per lease pool (`api.routes.dashboard.pool_loads`): a deployment's, or one model's."""
+    labels = ["pool", "model", "deployment"]
+    held = GaugeMetricFamily(
+        "backfill_capacity_pool_leases_held", "Capacity leases held, by lease pool.", labels=labels
+    )
+    limit = GaugeMetricFamily(
+        "backfill_capacity_pool_limit", "The lease limit released to batch work, by lease pool.", labels=labels
+    )
+    inflight = GaugeMetricFamily(
+        "backfill_capacity_pool_fleet_inflight",
+        "Requests (every kind) in flight at the pool's frontend: its model's, for a model's pool.",
+        labels=labels,
+    )
+    try:
+        pools = pool_loads(s)
+    except Exception:  # a scrape answers with what it has
+        log.warning("metrics: the capacity pools could not be read", exc_info=True)
+        return
+    for p in pools:
+        values = [p.pool, p.model or "", p.deployment]
+        for family, value in ((held, p.batch_inflight), (limit, p.limit), (inflight, p.fleet_inflight)):
+            if value is not None:
+                family.add_metric(values, value)
+    yield from (held, limit, inflight)
 
 
 def _authorized(request: Request) -> bool:

@@ -8,9 +8,11 @@ where every line went. backfill runs as real processes on a database and a Redis
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from backfill.devfleet.faultproxy import FaultProxy
@@ -120,3 +122,46 @@ def test_a_model_no_deployment_serves_fails_validation(mclient: Any) -> None:
     assert done.status == "failed"
     errors = done.errors.data
     assert errors and errors[0].line == 1 and "no-such-model" in errors[0].message, errors
+
+
+def test_a_saturated_model_never_holds_back_the_others_batch(
+    mclient: Any, models_stack: Stack, proxy_x: FaultProxy
+) -> None:
+    """Deployment X serves both models: the large model's long lines keep its pool full, and the
+    small model's batch still runs at its own full fixed limit there, side by side (with one pool
+    per deployment, the two shared one limit). The dashboard and /metrics show each pool."""
+    slow = [chat_line(i, model=LARGE_MODEL, max_tokens=400, prefix=f"slow {i} ") for i in range(48)]
+    fast = [chat_line(i, model=MODEL, max_tokens=120, prefix=f"fast {i} ") for i in range(60)]
+    batches = []
+    for name, lines in (("slow", slow), ("fast", fast)):
+        f = upload(mclient, jsonl(lines), name=f"{name}.jsonl")
+        batches.append(
+            mclient.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        )
+    headers = {"Authorization": f"Bearer {models_stack.admin_key}"}
+    both_full = False
+    seen: dict[str, int] = {}
+    with httpx.Client(base_url=models_stack.base_url, headers=headers, timeout=10) as http:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            pools = {p["pool"]: p for p in http.get("/dashboard/fleet").json()["pools"]}
+            assert {f"fleet/{MODEL}", f"fleet/{LARGE_MODEL}", "fleet:1"} == set(pools), pools
+            assert pools[f"fleet/{LARGE_MODEL}"]["model"] == LARGE_MODEL and pools["fleet:1"]["model"] is None
+            for name, p in pools.items():
+                assert p["limit"] == FIXED_LIMIT and p["batch_inflight"] <= FIXED_LIMIT, p
+                seen[name] = max(seen.get(name, 0), p["batch_inflight"])
+            if pools[f"fleet/{LARGE_MODEL}"]["batch_inflight"] == FIXED_LIMIT:
+                both_full |= pools[f"fleet/{MODEL}"]["batch_inflight"] == FIXED_LIMIT
+            if all(mclient.batches.retrieve(b.id).status in ("completed", "failed") for b in batches):
+                break
+            time.sleep(0.5)
+        metrics = httpx.get(models_stack.base_url.removesuffix("/v1") + "/metrics", timeout=10).text
+    assert both_full, f"the small model's pool never ran at its full limit beside the large one's: {seen}"
+    for b, n in zip(batches, (48, 60), strict=True):
+        done = mclient.batches.retrieve(b.id)
+        assert done.status == "completed" and done.request_counts.completed == n, done
+    assert (
+        f'backfill_capacity_pool_limit{{deployment="{proxy_x.base_url}",model="{LARGE_MODEL}",pool="fleet/{LARGE_MODEL}"}} {float(FIXED_LIMIT)}'
+        in metrics
+    )
+    assert "backfill_capacity_pool_leases_held{deployment=" in metrics
