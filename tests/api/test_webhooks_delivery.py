@@ -277,3 +277,91 @@ def test_a_redirect_is_never_followed(db: sessionmaker[Session]) -> None:
     row = _delivery(db)
     assert (row.status, row.last_status_code) == (DeliveryStatus.pending, 302)  # not delivered: retried later
     assert len(first.received) == 1 and second.received == []
+
+
+class Trickler:
+    """A receiver that reads the POST, then sends its answer's headers a byte at a time, each
+    byte well inside the read timeout, for `seconds` in all: per-operation timeouts never end it."""
+
+    def __init__(self, seconds: float) -> None:
+        import socket
+
+        self.seconds = seconds
+        self.finished = threading.Event()
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/hooks"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import time
+
+        try:
+            conn, _ = self.sock.accept()
+        except OSError:
+            return
+        with conn:
+            conn.recv(65536)
+            header = b"HTTP/1.1 200 OK\r\nx-slow: " + b"a" * int(self.seconds / 0.25) + b"\r\ncontent-length: 0\r\n\r\n"
+            try:
+                for i in range(len(header)):
+                    conn.sendall(header[i : i + 1])
+                    if header[i : i + 1] == b"a":
+                        time.sleep(0.25)
+            except OSError:
+                return  # the sender gave up on it
+            self.finished.set()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_trickling_receiver_is_cut_at_the_deadline_and_holds_back_no_other_delivery(
+    db: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One team's receiver trickles its answer's headers (a byte every quarter second, for 30 s);
+    another team's answers at once. The other team's delivery is recorded while the slow one is
+    still being sent, and the slow one ends at the delivery's deadline as a timeout, long before
+    the receiver would have finished."""
+    from backfill.scheduler import webhook_delivery
+    from tests.e2e.helpers import wait_until
+
+    monkeypatch.setattr(webhook_delivery, "DEADLINE_S", 3.0)
+    slow = Trickler(seconds=30)
+    try:
+        with Receiver(statuses=[]) as fast:
+            with db.begin() as session:
+                _event(session, slow.url)
+                _event(session, fast.url)
+            with db.begin() as session:
+                slow_id, fast_id = (
+                    session.execute(
+                        select(WebhookDelivery.id).join(WebhookEndpoint).where(WebhookEndpoint.url == url)
+                    ).scalar_one()
+                    for url in (slow.url, fast.url)
+                )
+
+            def delivery(delivery_id: str) -> WebhookDelivery:
+                with db.begin() as session:
+                    row = session.get(WebhookDelivery, delivery_id)
+                    assert row is not None
+                    return row
+
+            sender = WebhookSender(units=db.begin)
+            passing = threading.Thread(target=sender.deliver_due)
+            passing.start()
+            wait_until(
+                "the fast receiver's delivery recorded",
+                lambda: delivery(fast_id).status == DeliveryStatus.delivered,
+                timeout_s=60,
+                every_s=0.05,
+            )
+            assert delivery(slow_id).attempts == 0, "the fast delivery waited for the slow one"
+            passing.join(timeout=60)
+        slow_row = delivery(slow_id)
+        assert slow_row.attempts == 1 and slow_row.status == DeliveryStatus.pending
+        assert slow_row.last_status_code is None and "Timeout" in (slow_row.last_error or ""), slow_row.last_error
+        assert not slow.finished.is_set(), "the receiver trickled its whole answer: no deadline held it"
+    finally:
+        slow.close()
