@@ -10,14 +10,16 @@ Refusals follow OpenAI: status 429, `Retry-After`, the `x-ratelimit-*-requests` 
 for a requests-per-minute limit (`"tokens"` is its token limit), which the openai SDKs raise
 as `RateLimitError` and retry after the given delay.
 
-Failed authentications are limited too, per client address (`BACKFILL_AUTH_FAILURE_LIMIT`):
-each made-up key costs a key lookup and a window of its own in the per-key limit, so past the
-limit an address gets 429 for a request with a key, without a lookup, until its window moves
-on - except a key this process saw authenticate within the last minute (`api.recent_keys`):
-many clients can share one address (a proxy, NAT), and one sender's bad keys must not lock out
-the others' valid ones. A valid key new to this process waits for the window like any guess.
-Behind a proxy the client address is the proxy's unless uvicorn trusts its `X-Forwarded-For`:
-`BACKFILL_FORWARDED_ALLOW_IPS`, which `backfill api` passes on.
+Failed authentications are limited too, per client address (`BACKFILL_AUTH_FAILURE_LIMIT`;
+an IPv6 client counts as its /64, which one host usually holds whole): each made-up key costs
+a full authentication and a window of its own in the per-key limit, so past the limit an
+address's requests with a key that is not a live key get 429 before either. Many clients can
+share one address (a proxy, NAT), so a valid key is never refused for its address: the key is
+looked up by its digest (one indexed read; a key this process saw authenticate within the last
+minute skips even that, `api.recent_keys`), and a digest just found unknown is remembered for a
+minute, so a sender repeating its guesses costs no lookup at all. Behind a proxy the client
+address is the proxy's unless uvicorn trusts its `X-Forwarded-For`: `BACKFILL_FORWARDED_ALLOW_IPS`,
+which `backfill api` passes on.
 
 Requests without a bearer token are not counted (they are refused by authentication without a
 lookup), nor the probes in `exempt`. If the storage fails, requests pass (and a warning is logged at most
@@ -26,6 +28,8 @@ once a minute): a broken Redis must not take the API down with it.
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
 import logging
 import math
 import time
@@ -43,6 +47,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from backfill.api.access_log import TEAM_STATE_KEY
 from backfill.api.limits import bearer_key_digest, send_error
 from backfill.api.recent_keys import RecentKeys
+from backfill.jobs.teams import key_digest_is_live
+from backfill.storage.db import unit_of_work
 from backfill.storage.settings import get_settings
 
 log = logging.getLogger("backfill.api.ratelimit")
@@ -52,6 +58,7 @@ KEY_PREFIX = "backfill:ratelimit"
 NAMESPACE = "api"
 AUTH_FAILURE_NAMESPACE = "auth-failures"
 WARN_EVERY_S = 60.0
+UNKNOWN_KEY_TTL_S = 10.0
 
 
 def configured_limit() -> str:
@@ -92,6 +99,25 @@ def _reset_words(seconds: int) -> str:
     return f"{minutes}m{secs}s" if minutes else f"{secs}s"
 
 
+def counted_address(address: str) -> str:
+    """What the failed-auth limit counts a client as: its IPv4 address (an IPv4-mapped IPv6 one
+    too), or the /64 of its IPv6 address (a host gets a whole /64 and may use any address in it)."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
+def _digest_is_live(digest: str) -> bool:
+    with unit_of_work() as session:
+        return key_digest_is_live(session, digest)
+
+
 def _per(item: RateLimitItem) -> str:
     window = item.GRANULARITY.name if item.multiples == 1 else f"{item.multiples} {item.GRANULARITY.name}s"
     return f"{item.amount} per {window}"
@@ -117,6 +143,9 @@ class RateLimit:
         self._close: Callable[[], Awaitable[None]] | None = None
         self._warned_at = -math.inf
         self.recent_keys = RecentKeys()
+        # Digests a lookup just found unknown or revoked; briefly, so a key restored since passes soon.
+        self.unknown_keys = RecentKeys(ttl_s=UNKNOWN_KEY_TTL_S)
+        self.is_live: Callable[[str], bool] = _digest_is_live
 
     def limiter(self) -> MovingWindowRateLimiter:
         if self._limiter is None:
@@ -135,7 +164,7 @@ class RateLimit:
         if digest is None:
             await self.app(scope, receive, send)
             return
-        address = str((scope.get("client") or ("unknown", 0))[0])
+        address = counted_address(str((scope.get("client") or ("unknown", 0))[0]))
         if self.auth_item is not None:
             if await self._refuse_failing_address(address, digest, send):
                 return
@@ -170,8 +199,8 @@ class RateLimit:
         )
 
     async def _refuse_failing_address(self, address: str, digest: str, send: Send) -> bool:
-        """Answers 429 when `address` has failed authentication too often, unless the key
-        authenticated recently; returns whether it did."""
+        """Answers 429 when `address` has failed authentication too often and the key is not a
+        live one; returns whether it did. A live key always goes on to authentication."""
         assert self.auth_item is not None
         item = self.auth_item
         try:
@@ -179,6 +208,15 @@ class RateLimit:
                 return False
             if self.recent_keys.contains(digest):
                 return False  # known valid: it goes on to authentication (and may be revoked since)
+            if not self.unknown_keys.contains(digest):
+                try:
+                    live = await asyncio.to_thread(self.is_live, digest)
+                except Exception:
+                    log.warning("could not look a key up for the failed-auth limit", exc_info=True)
+                    live = True  # authentication says what it is
+                if live:
+                    return False
+                self.unknown_keys.add(digest)
             stats = await self.limiter().get_window_stats(item, AUTH_FAILURE_NAMESPACE, address)
         except StorageError as exc:
             self._warn(exc)
@@ -212,6 +250,7 @@ class RateLimit:
                         self._warn(exc)
                 elif isinstance(state, dict) and state.get(TEAM_STATE_KEY):
                     self.recent_keys.add(digest)
+                    self.unknown_keys.discard(digest)
             await send(message)
 
         return counting

@@ -46,6 +46,15 @@ def authenticate(session: Session, raw_key: str | None) -> Principal:
     return Principal(team_id=team.id, team_name=team.name, key_id=key.id, is_admin=key.is_admin)
 
 
+def key_digest_is_live(session: Session, digest: str) -> bool:
+    """Whether a key with this digest exists and is not revoked: one indexed lookup, for the
+    API's failed-authentication limit (which must never refuse a valid key for its address)."""
+    found = session.execute(
+        select(ApiKey.key_hash).where(ApiKey.key_hash == digest, ApiKey.revoked_at.is_(None))
+    ).scalar_one_or_none()
+    return found is not None and hmac.compare_digest(found, digest)
+
+
 def get_or_create_team(session: Session, *, name: str) -> Team:
     team = session.execute(select(Team).where(Team.name == name)).scalar_one_or_none()
     if team is None:

@@ -1,7 +1,8 @@
 """The failed-auth limit behind a proxy (every client shares the proxy's address): bogus keys
-from one address must not lock out a key that is known to be valid, while any other key from a
-limited address still gets 429 without a lookup. And `backfill api` hands uvicorn the proxies
-it may trust, so the limit counts the real client address behind them."""
+from one address must not lock out any valid key, even one this process has never seen, while
+a made-up key from a limited address gets 429 without an authentication (and, repeated, without
+even a lookup). IPv6 clients count per /64. And `backfill api` hands uvicorn the proxies it may
+trust, so the limit counts the real client address behind them."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def _get(client: TestClient, key: str) -> httpx.Response:
 
 
 @pytest.mark.usefixtures("service")
-def test_a_recently_valid_key_passes_a_limited_address_and_others_get_429_without_lookup(
+def test_a_valid_key_always_passes_a_limited_address_and_guesses_get_429_without_authentication(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from backfill.jobs.teams import authenticate
@@ -46,14 +47,14 @@ def test_a_recently_valid_key_passes_a_limited_address_and_others_get_429_withou
         known_again = [_get(proxy, known) for _ in range(3)]
         lookups_for_known = len(lookups)
         unknown = _get(proxy, "sk-made-up-9999")
-        new_valid = _get(proxy, brand_new)  # never seen: waits for the window like any guess
+        new_valid = _get(proxy, brand_new)  # never seen by this process: looked up, and passes
         lookups_after = len(lookups)
     assert flood == [401] * 5 + [429] * 7
     assert [r.status_code for r in known_again] == [200] * 3, known_again[0].text
     assert lookups_for_known == 3  # it is still authenticated by the keys table, every time
     assert unknown.status_code == 429 and unknown.json()["error"]["code"] == "rate_limit_exceeded"
-    assert new_valid.status_code == 429
-    assert lookups_after == lookups_for_known  # the refused ones cost no lookup
+    assert new_valid.status_code == 200, new_valid.text
+    assert lookups_after == lookups_for_known + 1  # the refused guess cost no authentication
 
 
 @pytest.mark.usefixtures("service")
@@ -112,3 +113,33 @@ def test_backfill_api_trusts_the_configured_proxies(monkeypatch: pytest.MonkeyPa
     assert calls[0]["forwarded_allow_ips"] == "10.42.0.0/16,192.0.2.7" and calls[0]["proxy_headers"] is True
     # Unset: uvicorn's own default (loopback only, or its FORWARDED_ALLOW_IPS variable).
     assert calls[1]["forwarded_allow_ips"] is None and calls[1]["proxy_headers"] is True
+
+
+@pytest.mark.usefixtures("service")
+def test_a_repeated_guess_costs_one_lookup_and_ipv6_counts_per_64(monkeypatch: pytest.MonkeyPatch) -> None:
+    from backfill.api import ratelimit
+
+    monkeypatch.setenv("BACKFILL_AUTH_FAILURE_LIMIT", "3/minute")
+    checked: list[str] = []
+    real = ratelimit._digest_is_live
+
+    def counted(digest: str) -> bool:
+        checked.append(digest)
+        return real(digest)
+
+    monkeypatch.setattr(ratelimit, "_digest_is_live", counted)
+    _, valid = api_key()
+    app = build_app()
+    with (
+        TestClient(app, client=("2001:db8:1:2::10", 40000)) as one,
+        TestClient(app, client=("2001:db8:1:2:ffff::99", 40001)) as same_64,
+        TestClient(app, client=("2001:db8:1:3::10", 40002)) as next_64,
+    ):
+        assert [_get(one, f"sk-made-up-{n}").status_code for n in range(3)] == [401] * 3
+        repeated = [_get(same_64, "sk-made-up-again").status_code for _ in range(5)]
+        assert _get(same_64, valid).status_code == 200
+        assert _get(next_64, "sk-made-up-elsewhere").status_code == 401
+    assert repeated == [429] * 5  # another address of the same /64: the same count
+    assert len(checked) == 2  # the repeated guess was looked up once; the valid key once
+    assert ratelimit.counted_address("::ffff:198.51.100.7") == "198.51.100.7"
+    assert ratelimit.counted_address("2001:db8::1") == "2001:db8::/64"
