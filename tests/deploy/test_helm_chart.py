@@ -64,6 +64,10 @@ RENDERS: dict[str, list[str]] = {
             '{"name":"b","frontendUrl":"http://b:8000/v1","metrics":[{"role":"decode","url":"http://b-d:9090/metrics"}]}]',
         ),
     ],
+    "overflow": [
+        *("--set", "networkPolicy.enabled=true", "--set", "config.overflow_urls=https://overflow.example.com/v1"),
+        *("--set", "secrets.overflowApiKey=ovf-0123456789abcdef", "--set", "secrets.fleetApiKey=flt-0123456789"),
+    ],
 }
 
 WORKLOADS = ("Deployment", "Job")
@@ -445,6 +449,10 @@ def test_two_schedulers_and_a_budget_for_each_service(rendered: Rendered) -> Non
 
 
 INTERNAL = {"10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "169.254.0.0/16", "127.0.0.0/8"}
+# Not the internet either: "this network", IETF protocol assignments, benchmarking, multicast and
+# the reserved block above it; NAT64 and 6to4, which lead back to IPv4 addresses.
+SPECIAL = {"0.0.0.0/8", "192.0.0.0/24", "198.18.0.0/15", "224.0.0.0/3"}
+SPECIAL_V6 = {"64:ff9b::/96", "2002::/16"}
 
 
 def test_webhook_egress_skips_the_internal_ranges(rendered: Rendered) -> None:
@@ -461,18 +469,48 @@ def test_webhook_egress_skips_the_internal_ranges(rendered: Rendered) -> None:
     open_v4 = [b for b in blocks if b["cidr"] == "0.0.0.0/0"]
     assert open_v4, "no egress to the internet for webhooks"
     for block in open_v4:
-        assert INTERNAL <= set(block.get("except", []))
+        assert INTERNAL | SPECIAL <= set(block.get("except", []))
     for block in blocks:
         if block["cidr"] == "::/0":
-            assert {"fc00::/7", "fe80::/10", "::1/128"} <= set(block.get("except", []))
-    # Only the scheduler sends webhooks, so only it reaches the internet.
+            assert {"fc00::/7", "fe80::/10", "::1/128"} | SPECIAL_V6 <= set(block.get("except", []))
+    # Only the scheduler sends webhooks, so only it reaches the internet; and the workers, when
+    # overflow deployments are configured (they send escalated lines there).
+    overflow = any(cm["data"].get("BACKFILL_OVERFLOW_URLS") for cm in rendered.of_kind("ConfigMap") if cm.get("data"))
     for p in policies:
         if any(
             peer.get("ipBlock", {}).get("cidr") == "0.0.0.0/0"
             for r in p["spec"].get("egress", [])
             for peer in r.get("to", [])
         ):
-            assert p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "scheduler"
+            component = p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+            assert component == "scheduler" or (overflow and component == "worker"), p["metadata"]["name"]
+
+
+def test_the_overflow_key_is_a_secret_the_workers_alone_read_and_its_egress_is_open(rendered: Rendered) -> None:
+    overflow = [
+        cm["data"]["BACKFILL_OVERFLOW_URLS"]
+        for cm in rendered.of_kind("ConfigMap")
+        if cm.get("data", {}).get("BACKFILL_OVERFLOW_URLS")
+    ]
+    for _, container in rendered.workloads():
+        env = rendered.environment(container)
+        if "BACKFILL_OVERFLOW_API_KEY" in env:
+            where, _ = env["BACKFILL_OVERFLOW_API_KEY"]
+            assert where == "secret", "the overflow's key in plain text"
+            assert container["name"] == "worker"
+    for cm in rendered.of_kind("ConfigMap"):
+        assert "BACKFILL_OVERFLOW_API_KEY" not in cm.get("data", {})
+    if not overflow:
+        return
+    _, worker = rendered.component("worker")
+    assert rendered.environment(worker)["BACKFILL_OVERFLOW_API_KEY"][0] == "secret"
+    if not rendered.of_kind("NetworkPolicy"):
+        return
+    (policy,) = [p for p in rendered.of_kind("NetworkPolicy") if p["metadata"]["name"].endswith("-overflow")]
+    assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "worker"
+    (rule,) = policy["spec"]["egress"]
+    assert {peer["ipBlock"]["cidr"] for peer in rule["to"]} == {"0.0.0.0/0", "::/0"}
+    assert rule["ports"] == [{"port": 443, "protocol": "TCP"}]
 
 
 # --- the chart refuses what the app would get wrong ----------------------------------------
@@ -487,6 +525,14 @@ def test_webhook_egress_skips_the_internal_ranges(rendered: Rendered) -> None:
         (["--set", "s3.endpointUrl="], "s3.endpointUrl is required"),
         (["--set", "secrets.adminApiKey=sk-dev-0123456789abcdefgh"], "BACKFILL_ADMIN_API_KEY"),
         (["--set", "secrets.existingSecret=mine"], "worker.autoscaling.redis.address is required"),
+        (
+            [
+                *("--set", "networkPolicy.enabled=true"),
+                *("--set-json", 'networkPolicy.apiIngressFrom=[{"namespaceSelector":{"matchLabels":{"n":"ingress"}}}]'),
+            ],
+            "api.forwardedAllowIps",
+        ),
+        (["--set", "config.overflow_api_key=sk-plain"], "config.overflow_api_key"),
         (
             [
                 "--set-json",

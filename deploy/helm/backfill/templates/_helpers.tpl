@@ -129,11 +129,14 @@ checksum/secret: {{ toYaml .Values.secrets | sha256sum }}
 {{- end }}
 
 {{/* Secret-backed variables, by component: only the API reads the configured keys and the
-metrics token. Call with (dict "ctx" $ "component" "api"). */}}
+metrics token, only the workers (the drains) the overflow's key. Call with (dict "ctx" $ "component" "api"). */}}
 {{- define "backfill.secretEnv" -}}
 {{- $secret := include "backfill.secretName" .ctx }}
 {{- $required := list "BACKFILL_DATABASE_URL" "BACKFILL_BROKER_URL" }}
 {{- $optional := list "BACKFILL_REDIS_URL" "BACKFILL_S3_ACCESS_KEY" "BACKFILL_S3_SECRET_KEY" "BACKFILL_FLEET_API_KEY" }}
+{{- if eq .component "worker" }}
+{{- $optional = append $optional "BACKFILL_OVERFLOW_API_KEY" }}
+{{- end }}
 {{- if eq .component "api" }}
 {{- $optional = concat $optional (list "BACKFILL_BOOTSTRAP_API_KEY" "BACKFILL_ADMIN_API_KEY") }}
 {{- if .ctx.Values.metrics.token.enabled }}
