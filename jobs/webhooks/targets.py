@@ -207,6 +207,9 @@ def check_url_target(url: str, policy: TargetPolicy) -> None:
     name that does not resolve yet is accepted, as every delivery checks again."""
     try:
         target = httpx.URL(url)
+        # Port 0 is no port, and past 65535 none exists (httpx takes both; a connection cannot).
+        if target.port is not None and not 0 < target.port <= 65535:
+            raise invalid_url()
         port = target.port or (443 if target.scheme == "https" else 80)
         host = target.raw_host.decode("ascii")
         # Decoding IDNA (`target.host`) and urlsplit's bracket rules raise ValueError too.

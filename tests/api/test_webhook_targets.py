@@ -107,6 +107,17 @@ def test_registration_refuses_non_public_urls(url: str) -> None:
     assert refused.value.param == "url"
 
 
+@pytest.mark.parametrize(
+    "url", ["https://hooks.example.com:0/", "https://hooks.example.com:65536/", "http://8.8.8.8:99999/"]
+)
+def test_registration_refuses_ports_that_do_not_exist(url: str) -> None:
+    from backfill.jobs.webhooks.events import _check_url
+
+    with pytest.raises(InvalidRequest) as refused:
+        _check_url(url, TargetPolicy.from_settings(Settings(environment="production", webhook_allowed_hosts="")))
+    assert refused.value.param == "url"
+
+
 def test_a_name_is_refused_if_any_address_it_resolves_to_is_private() -> None:
     def resolver(host: str, port: int) -> list[str]:
         return {"hooks.example": ["93.184.215.14", "10.1.2.3"], "ok.example": ["93.184.215.14"]}[host]
