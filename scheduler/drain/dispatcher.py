@@ -210,6 +210,12 @@ class Dispatcher:
                     raise
                 self.recorder.unreachable(exc)
                 continue
+            if not self._models:  # no batch has work: as a claim that found none
+                idle_rounds += 1
+                if idle_rounds >= 3 and not self._inflight:
+                    return
+                await asyncio.sleep(min(0.1 * idle_rounds, 0.1 if self._inflight else 1.0))
+                continue
             try:
                 leases = await self.admission.acquire_spread(
                     CLAIM_GROUP, wait_s=0.5, cancel=self._stopping, room=self._room
