@@ -22,7 +22,6 @@ published and shed to as the controller publishes its own: the oracle's), `contr
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -109,6 +108,31 @@ class SimTelemetry(FleetTelemetry):
     def _get(self, url: str) -> str | None:
         assert self.fleet is not None
         return self.fleet.metrics_text(url)
+
+
+class LineQueue:
+    """The batch lines still to release, in plan order: the plan itself is never changed (an
+    oracle snapshot shares it instead of copying it); lines shed back go on a stack in front."""
+
+    def __init__(self, plan: tuple[tuple[int, int, int, int], ...]) -> None:
+        self.plan = plan
+        self.next = 0
+        self.requeued: list[tuple[int, int, int, int]] = []
+
+    def __len__(self) -> int:
+        return len(self.plan) - self.next + len(self.requeued)
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+    def popleft(self) -> tuple[int, int, int, int]:
+        if self.requeued:
+            return self.requeued.pop()
+        self.next += 1
+        return self.plan[self.next - 1]
+
+    def appendleft(self, line: tuple[int, int, int, int]) -> None:
+        self.requeued.append(line)
 
 
 class _ClockFn:
@@ -200,7 +224,7 @@ class Sim:
             self.clock.at(0.0, "sim", "policy_tick")
 
     # -- set-up ----------------------------------------------------------------------------
-    def _plan_lines(self) -> deque[tuple[int, int, int, int]]:
+    def _plan_lines(self) -> LineQueue:
         """Batch lines (line, group, prompt, max tokens) in the release order the prefix plan
         gives them: the lines under one preamble together."""
         import random
@@ -223,7 +247,7 @@ class Sim:
             kv.append(prompt + out)
         plan = plan_prefix_order(paths, [line for line, *_ in lines], kv)
         order = sorted(range(n), key=lambda i: plan.rank[i])
-        return deque(lines[i] for i in order)
+        return LineQueue(tuple(lines[i] for i in order))
 
     def _make_loop(self) -> CapacityLoop:
         spec = self.spec

@@ -1,29 +1,46 @@
-"""The oracle: per window, the largest batch limit that keeps the interactive SLO, found by
-forward search with backtracking on the simulator itself.
+"""The oracle: the largest batch limit per window that keeps the interactive SLO, found on the
+simulator itself, knowing the future.
 
-Window by window (1 s), from the simulation's state at the window's start (a snapshot), the
-search tries limits (the cap first, then a binary search down to 0), publishing each as the
-controller would publish its own (limit and shed target: a drop aborts the youngest batch
-requests above it), simulates the window, and keeps the largest limit after which no
-interactive request has missed its SLO or is already bound to (its first token later than the
-TTFT bound, or a mean inter-token latency that even the fastest possible steps from here could
-not bring under the ITL bound). Requests that missed with no batch work at all (run (a)) do not
-count: batch work did not cause them. When even 0 fails, batch work admitted earlier is the
-cause: the search backtracks to the latest earlier window in the failing request's life that
-released batch work, lowers its limit, and searches forward again. So the schedule holds the
-SLO by construction; its limit is the largest found, window by window, knowing the future.
+Three stages, each exact on the simulator (every candidate is run to the trace's end and judged
+by its attainment and batch throughput):
+
+1. A greedy forward search with backtracking. Window by window (1 s), from the simulation's
+   state at the window's start (a snapshot), it tries limits (the cap first, then a binary
+   search down to 0), publishing each as the controller would publish its own (limit and shed
+   target: a drop aborts the youngest batch requests above it), simulates the window, and keeps
+   the largest limit after which no interactive request has missed its SLO or is already bound
+   to (its first token later than the TTFT bound, or a mean inter-token latency that even the
+   fastest possible steps from here could not bring under the ITL bound). Requests that missed
+   with no batch work at all (run (a)) do not count: batch work did not cause them. When even 0
+   fails, batch work admitted earlier is the cause: the search backtracks to the latest earlier
+   window in the failing request's life that released batch work, lowers its limit, and
+   searches forward again.
+2. The seeds: the greedy schedule, every static limit given (as finished runs, or as limits to
+   run), and any other schedule given (e.g. the controller's limits, window by window). The best
+   one that holds the SLO (attainment within 1 point of run (a)) is the starting point, so the
+   oracle is never below a static setting or a schedule it was shown.
+3. Improvement: block by block (8 windows, then 2), raise the block's limits (x1.5, x1.2),
+   replay from the block's start to the end, and keep the change when the SLO still holds and the
+   batch throughput rose. A greedy per-window choice can take so much in one window that later
+   windows must give it back (a static limit once beat it that way); this stage finds those.
+
+Snapshots pickle the whole simulation except what can no longer change (the trace, the fleet
+spec, the batch's release plan, finished requests), which all snapshots share by reference.
 """
 
 from __future__ import annotations
 
 import copyreg
+import io
 import math
 import pickle
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from backfill.sim.control import Policy, Sim, SloRule
-from backfill.sim.engine import FleetSpec
+from backfill.sim.engine import FleetSpec, Req
 from backfill.sim.workload import Trace
 
 # A snapshot holds the scheduler objects' locks (admission's counters, the escalator): a fresh,
@@ -31,15 +48,86 @@ from backfill.sim.workload import Trace
 copyreg.pickle(type(threading.Lock()), lambda _: (threading.Lock, ()))
 
 LOOKBACK_S = 6.0  # how far before a failing request's arrival batch work may have hurt it
+IMPROVE_BLOCKS = (8, 2)  # windows per block, one improvement pass each
+IMPROVE_FACTORS = (1.5, 1.2)
 
 
 @dataclass
 class OracleResult:
-    schedule: list[int]
+    schedule: list[int] | None  # None: the best run was a seed given as a finished run
     sim: Sim
     tries: int
     backtracks: int
     unavoidable: int
+    source: str = "greedy"  # which seed the result grew from
+    improved: int = 0  # improvement steps kept
+
+
+class Snapshots:
+    """Pickled simulations sharing what no longer changes, by reference."""
+
+    def __init__(self) -> None:
+        self.shared: list[Any] = []
+        self.ids: dict[int, int] = {}
+
+    def _ref(self, obj: Any) -> int:
+        i = self.ids.get(id(obj))
+        if i is None:
+            i = self.ids[id(obj)] = len(self.shared)
+            self.shared.append(obj)  # kept alive, so its id is never reused
+        return i
+
+    def dumps(self, sim: Sim) -> bytes:
+        frozen = {id(sim.trace), id(sim.sessions), id(sim.spec), id(sim.fleet.perf), id(sim._lines.plan)}
+        ref = self._ref
+
+        class P(pickle.Pickler):
+            def persistent_id(self, obj: Any) -> int | None:
+                if type(obj) is Req:
+                    return ref(obj) if obj.state in ("done", "aborted") else None
+                return ref(obj) if id(obj) in frozen else None
+
+        buf = io.BytesIO()
+        P(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(sim)
+        return buf.getvalue()
+
+    def loads(self, data: bytes) -> Sim:
+        shared = self.shared
+
+        class U(pickle.Unpickler):
+            def persistent_load(self, pid: Any) -> Any:
+                return shared[pid]
+
+        sim: Sim = U(io.BytesIO(data)).load()
+        return sim
+
+
+def attainment(sim: Sim) -> float:
+    o = sim.outcomes()
+    return sum(sim.meets(x) for x in o) / max(1, len(o))
+
+
+def run_schedule(
+    spec: FleetSpec, trace: Trace, schedule: Sequence[int], *, slo: SloRule, seed: int, window_s: float = 1.0
+) -> Sim:
+    sim = Sim(spec, trace, Policy("schedule", schedule=list(schedule), window_s=window_s), slo=slo, seed=seed)
+    sim.finish()
+    return sim
+
+
+def windows_of(sim: Sim, n: int, window_s: float = 1.0) -> list[int]:
+    """A run's limits as a schedule: per window, the mean of the limits it published there."""
+    sums = [0.0] * n
+    counts = [0] * n
+    for t, v in sim.limits:
+        k = min(n - 1, int(t / window_s))
+        sums[k] += v
+        counts[k] += 1
+    out, last = [], 0
+    for k in range(n):
+        last = round(sums[k] / counts[k]) if counts[k] else last
+        out.append(last)
+    return out
 
 
 def _bound_to_miss(sim: Sim, allowed: set[tuple[int, int]], since: float, t_min: float) -> list[float]:
@@ -75,7 +163,7 @@ def _bound_to_miss(sim: Sim, allowed: set[tuple[int, int]], since: float, t_min:
     return bad
 
 
-def search(
+def greedy(
     spec: FleetSpec,
     trace: Trace,
     *,
@@ -85,23 +173,26 @@ def search(
     cap: int = 128,
     window_s: float = 1.0,
     max_backtracks: int = 400,
+    snaps: Snapshots | None = None,
 ) -> OracleResult:
+    """Stage 1: the per-window forward search with backtracking."""
+    store = snaps or Snapshots()
     sim = Sim(spec, trace, Policy("schedule", window_s=window_s), slo=slo, seed=seed)
     t_min = sim.fleet.perf.min_decode_ms / 1000.0
     n = math.ceil(trace.duration_s / window_s)
     schedule: list[int] = []
     hi = [cap] * n
-    snaps: list[bytes] = []
+    snaps_k: list[bytes] = []
     tries = backtracks = 0
     allowed = set(allowed)
     k = 0
     while k < n:
-        if len(snaps) <= k:
-            snaps.append(pickle.dumps(sim, protocol=pickle.HIGHEST_PROTOCOL))
+        if len(snaps_k) <= k:
+            snaps_k.append(store.dumps(sim))
         end = min((k + 1) * window_s, trace.duration_s)
 
         def attempt(limit: int, k: int = k, end: float = end) -> tuple[Sim, list[float]]:
-            s: Sim = pickle.loads(snaps[k])
+            s = store.loads(snaps_k[k])
             s.policy.schedule = [*schedule[:k], limit]
             s.run_until(end - 1e-9)  # the next window's tick is the next window's
             return s, _bound_to_miss(s, allowed, k * window_s, t_min)
@@ -128,12 +219,13 @@ def search(
                 for m in range(j + 1, n):
                     hi[m] = cap
                 del schedule[j:]
-                del snaps[j + 1 :]
-                sim = pickle.loads(snaps[j])
+                del snaps_k[j + 1 :]
+                sim = store.loads(snaps_k[j])
                 k = j
                 continue
+            # Binary search to within an eighth: the improvement stage refines what matters.
             ok_l, ok_s, bad_l = 0, s0, hi[k]
-            while bad_l - ok_l > 1:
+            while bad_l - ok_l > max(1, ok_l // 8):
                 mid = (ok_l + bad_l) // 2
                 tries += 1
                 sm, bm = attempt(mid)
@@ -148,3 +240,117 @@ def search(
     sim.policy.schedule = schedule
     sim.finish()
     return OracleResult(schedule, sim, tries, backtracks, len(allowed))
+
+
+def improve(
+    spec: FleetSpec,
+    trace: Trace,
+    schedule: list[int],
+    sim: Sim,
+    *,
+    slo: SloRule,
+    seed: int,
+    floor: float,
+    cap: int = 128,
+    window_s: float = 1.0,
+    max_tries: int = 60,
+    snaps: Snapshots | None = None,
+) -> tuple[list[int], Sim, int, int]:
+    """Stage 3: block-wise raises, each replayed to the end and kept only if the SLO holds and
+    the batch throughput rose. Returns (schedule, run, tries, steps kept)."""
+    store = snaps or Snapshots()
+    n = len(schedule)
+    best_tok = sim.batch_tok_s()
+    tries = kept = 0
+
+    def snapshots_from(j0: int, base: Sim | None, size: int) -> dict[int, bytes]:
+        s = (
+            base
+            if base is not None
+            else Sim(spec, trace, Policy("schedule", schedule=list(schedule), window_s=window_s), slo=slo, seed=seed)
+        )
+        s.policy.schedule = list(schedule)
+        out = {}
+        for j in range(j0, n, size):
+            s.run_until(j * window_s - 1e-9)
+            out[j] = store.dumps(s)
+        return out
+
+    for size in IMPROVE_BLOCKS:
+        snaps_j = snapshots_from(0, None, size)
+        for j in range(0, n, size):
+            block = range(j, min(n, j + size))
+            if all(schedule[m] >= cap for m in block):
+                continue
+            for f in IMPROVE_FACTORS:
+                if tries >= max_tries:
+                    return schedule, sim, tries, kept
+                trial = list(schedule)
+                for m in block:
+                    trial[m] = min(cap, max(schedule[m] + 1, math.ceil(schedule[m] * f)))
+                tries += 1
+                s = store.loads(snaps_j[j])
+                s.policy.schedule = trial
+                s.finish()
+                if s.batch_tok_s() > best_tok and attainment(s) >= floor:
+                    schedule, sim, best_tok = trial, s, s.batch_tok_s()
+                    kept += 1
+                    if j + size < n:
+                        base = store.loads(snaps_j[j])
+                        snaps_j.update(snapshots_from(j, base, size))
+                    break
+    return schedule, sim, tries, kept
+
+
+def search(
+    spec: FleetSpec,
+    trace: Trace,
+    *,
+    slo: SloRule,
+    seed: int,
+    allowed: set[tuple[int, int]],
+    cap: int = 128,
+    window_s: float = 1.0,
+    max_backtracks: int = 400,
+    runs: Sequence[Sim] = (),
+    statics: Sequence[int] = (),
+    schedules: Sequence[list[int]] = (),
+    floor: float | None = None,
+    improve_tries: int = 60,
+) -> OracleResult:
+    """The oracle's run. `runs`: finished runs of this trace to start from if better (a static
+    setting's, say); `statics`: static limits to run as seeds; `schedules`: other seeds;
+    `floor`: the attainment to hold (default: run (a)'s, less 1 point)."""
+    snaps = Snapshots()
+    if floor is None:
+        a = Sim(spec, trace, Policy("none"), slo=slo, seed=seed)
+        a.finish()
+        floor = attainment(a) - 0.01
+    n = math.ceil(trace.duration_s / window_s)
+    g = greedy(
+        spec, trace, slo=slo, seed=seed, allowed=allowed, cap=cap, window_s=window_s,
+        max_backtracks=max_backtracks, snaps=snaps,
+    )  # fmt: skip
+    tries = g.tries
+    seeds: list[tuple[str, list[int] | None, Sim]] = [("greedy", g.schedule, g.sim)]
+    for r in runs:
+        sched = [r.policy.limit] * n if r.policy.kind == "static" else None
+        seeds.append((r.policy.label, sched, r))
+    done = {r.policy.limit for r in runs if r.policy.kind == "static"}
+    for limit in statics:
+        if limit not in done:
+            tries += 1
+            seeds.append((f"s{limit}", [limit] * n, run_schedule(spec, trace, [limit] * n, slo=slo, seed=seed)))
+    for i, sched in enumerate(schedules):
+        tries += 1
+        seeds.append((f"seed{i}", list(sched), run_schedule(spec, trace, sched, slo=slo, seed=seed)))
+    holding = [x for x in seeds if attainment(x[2]) >= floor] or seeds[:1]
+    source, sched0, best = max(holding, key=lambda x: x[2].batch_tok_s())
+    kept = 0
+    if sched0 is not None and improve_tries > 0:
+        sched0, best, t, kept = improve(
+            spec, trace, sched0, best, slo=slo, seed=seed, floor=floor, cap=cap, window_s=window_s,
+            max_tries=improve_tries, snaps=snaps,
+        )  # fmt: skip
+        tries += t
+    return OracleResult(sched0, best, tries, g.backtracks, g.unavoidable, source, kept)

@@ -1,0 +1,75 @@
+"""The oracle is a limit: on a short trace nothing tried (a static setting, the controller) beats
+it while holding the SLO, and its snapshots replay exactly."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from backfill.sim.control import Policy, Sim, SloRule
+from backfill.sim.engine import FleetSpec
+from backfill.sim.oracle import Snapshots, attainment, search, windows_of
+from backfill.sim.workload import Trace
+from bench.harvest_results import pct
+from bench.sim_harvest import agent_trace
+
+STATICS = (2, 4, 8, 12, 16, 24, 32)
+
+
+def _setup(kv: int, name: str = "ramp", seconds: float = 30.0) -> tuple[FleetSpec, Trace, SloRule, Sim]:
+    fleet = FleetSpec.load("mocker-disagg").with_kv(kv)
+    trace = replace(agent_trace(name, 0), duration_s=seconds)
+    a = Sim(fleet, trace, Policy("none"), slo=SloRule(1e9, 1e9), seed=0)
+    a.finish()
+    o = a.outcomes()
+    slo = SloRule(
+        2 * pct([x.ttft for x in o if x.ttft is not None], 0.9),
+        1.3 * pct([x.itl for x in o if x.itl is not None], 0.9),
+    )
+    a.slo = slo
+    return fleet, trace, slo, a
+
+
+def test_nothing_tried_beats_the_oracle() -> None:
+    for kv in (576, 352):
+        fleet, trace, slo, a = _setup(kv)
+        floor = attainment(a) - 0.01
+        allowed = {(r.session, r.turn) for r, o in zip(a.interactive, a.outcomes(), strict=True) if not a.meets(o)}
+        statics = []
+        for limit in STATICS:
+            s = Sim(fleet, trace, Policy("static", limit=limit), slo=slo, seed=0)
+            s.finish()
+            statics.append(s)
+        c = Sim(fleet, trace, Policy("controller"), slo=slo, seed=0)
+        c.finish()
+        res = search(
+            fleet,
+            trace,
+            slo=slo,
+            seed=0,
+            allowed=allowed,
+            runs=statics,
+            schedules=[windows_of(c, 30)],
+            floor=floor,
+            improve_tries=16,
+        )
+        got = res.sim.batch_tok_s()
+        assert attainment(res.sim) >= floor, "the oracle holds the SLO"
+        for s in statics:
+            if attainment(s) >= floor:
+                assert got >= s.batch_tok_s(), (kv, s.policy.label, s.batch_tok_s(), got)
+        if attainment(c) >= attainment(res.sim):
+            assert got >= c.batch_tok_s(), (kv, "controller", c.batch_tok_s(), got)
+
+
+def test_a_snapshot_replays_exactly() -> None:
+    fleet, trace, slo, _ = _setup(352, "agent", 20.0)
+    sim = Sim(fleet, trace, Policy("schedule", schedule=[16] * 20), slo=slo, seed=0)
+    sim.run_until(8.0)
+    snaps = Snapshots()
+    data = snaps.dumps(sim)
+    copies = [snaps.loads(data), snaps.loads(data)]
+    for s in [sim, *copies]:
+        s.finish()
+    want = (sim.batch_tok_s(), [(o.ttft, o.itl) for o in sim.outcomes()])
+    for s in copies:
+        assert (s.batch_tok_s(), [(o.ttft, o.itl) for o in s.outcomes()]) == want
