@@ -105,6 +105,9 @@ _BATCH_STATUS = Enum(
 )
 
 TERMINAL_STATUSES = frozenset({BatchStatus.failed, BatchStatus.completed, BatchStatus.expired, BatchStatus.cancelled})
+# A batch retention has yet to retire: its ledger not rolled up, or its line rows not deleted
+# (the predicate of the partial index `ix_batches_unretired`, migration 0016).
+UNRETIRED_SQL = "ledger_rolled_up_at IS NULL OR bodies_purged_at IS NULL"
 
 
 class RequestState(enum.StrEnum):
@@ -214,7 +217,17 @@ class Batch(Base):
     # When the batch's per-line ledger rows were rolled up (`jobs.billing.rollup`).
     ledger_rolled_up_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
 
-    __table_args__ = (Index("ix_batches_team_created", "team_id", "created_at", "id"),)
+    __table_args__ = (
+        Index("ix_batches_team_created", "team_id", "created_at", "id"),
+        # What retention has yet to retire (`jobs.retention.batches_to_retire`): retired batches
+        # leave it, so a pass reads only the batches left to do, not every batch ever made.
+        Index(
+            "ix_batches_unretired",
+            "status",
+            postgresql_where=text(UNRETIRED_SQL),
+            sqlite_where=text(UNRETIRED_SQL),
+        ),
+    )
 
 
 # The predicates of batch_requests' partial indexes. Queries that need the index say them as
@@ -319,6 +332,11 @@ class Upload(Base):
     next_part_number: Mapped[int] = mapped_column(Integer, default=1)
     part_count: Mapped[int] = mapped_column(Integer, default=0)
     received_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    # The completion in progress: when it took the upload (None once it let go after a failure,
+    # so a retry takes over at once) and the parts it named, in order: the store may already
+    # hold what they made, so only a completion of the same parts may take it over.
+    completing_since: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
+    completion_part_ids: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
     completed_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
     cancelled_at: Mapped[datetime | None] = mapped_column(UtcDateTime, nullable=True)
     # When the parts of an upload that will never complete were removed from the store.

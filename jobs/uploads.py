@@ -21,9 +21,14 @@ An `md5` given at completion is checked by streaming the file once it is assembl
 concatenation, while writing it): a mismatch discards the file and cancels the upload.
 
 The upload's row is the lock: parts are counted with a compare-and-set on its pending status and
-its byte total, completion claims it (pending -> completing) before touching the store. The
-parts of an upload cancelled or expired are removed from the store by retention
-(`clean_up_uploads`), as are those of a completion that died half-way.
+its byte total, completion claims it (pending -> completing) before touching the store. Any step
+of a completion may die; each is done again by a retry of the same parts: the claim fixes the
+file's id (so its key) and the parts named, a completion that failed lets go of its claim and
+one that died leaves a claim a retry takes over once older than COMPLETION_LEASE; the store's
+multipart upload found already completed is the object at its key at its size, a file found
+written is not written again, and the file is recorded once (a retry of a completed upload
+answers with it). The parts of an upload cancelled or expired are removed from the store by
+retention (`clean_up_uploads`), as are those of a completion that died and was never retried.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from backfill.jobs import files as file_service
 from backfill.jobs.errors import Conflict, InvalidRequest, NotFound, TooLarge, quote
 from backfill.jobs.models import File, Upload, UploadPart, UploadStatus, new_id, utcnow
 from backfill.storage.db import UnitOfWork
-from backfill.storage.objects import MAX_PART_NUMBER, PART_BYTES, ObjectStore, blocks
+from backfill.storage.objects import MAX_PART_NUMBER, PART_BYTES, NoSuchMultipart, ObjectStore, blocks
 
 UPLOAD_TTL = timedelta(hours=1)
 MAX_PART_BYTES = 64 * 1024 * 1024  # OpenAI's: the SDK's chunked upload sends parts of exactly this
@@ -51,6 +56,10 @@ MAX_PARTS = MAX_PART_NUMBER
 MAX_MIME_TYPE_CHARS = 255
 # A completion still assembling past its upload's expiry is left alone this much longer.
 COMPLETING_GRACE = timedelta(hours=1)
+# A completion's claim older than this was left by a process that died (assembling the largest
+# upload takes a few minutes): a retry of the same parts takes it over. Were the first still
+# running, both make the same bytes at the same key and the file is recorded once.
+COMPLETION_LEASE = timedelta(minutes=10)
 _MD5 = re.compile(r"^[0-9a-fA-F]{32}$")
 
 
@@ -317,6 +326,12 @@ class Md5Mismatch(InvalidRequest):
     code = "md5_mismatch"
 
 
+class PartsGone(Conflict):
+    """The store no longer holds the parts a completion named, nor what they made."""
+
+    code = "upload_parts_gone"
+
+
 @dataclass(frozen=True)
 class _Part:
     first_number: int
@@ -327,23 +342,66 @@ class _Part:
 
 @dataclass(frozen=True)
 class _Plan:
+    upload_id: str
     team_id: str
+    # Fixed when the upload is first claimed, kept by every completion that takes the claim
+    # over: what an earlier one made in the store is found where this one would make it.
     file_id: str
     multipart_key: str
     multipart_id: str
     parts: list[_Part]  # in the order named
+    claimed_at: datetime  # the claim's token: only its holder lets go of it
+
+    @property
+    def size(self) -> int:
+        return sum(p.size for p in self.parts)
+
+    @property
+    def file_key(self) -> str:
+        return file_service.file_key(self.team_id, self.file_id)
 
 
-def _claim(session: Session, *, team_id: str, upload_id: str, part_ids: list[str], md5: str | None) -> _Plan:
-    now = utcnow()
+def _claim_is_live(row: Upload, now: datetime) -> bool:
+    return row.completing_since is not None and row.completing_since > now - COMPLETION_LEASE
+
+
+def _completed(session: Session, row: Upload, part_ids: list[str]) -> File | None:
+    """The file of an upload already completed of these parts (a retry whose answer was lost)."""
+    if row.status != UploadStatus.completed.value or row.completion_part_ids != part_ids:
+        return None
+    try:
+        return file_service.get_file(session, team_id=row.team_id, file_id=row.file_id)
+    except NotFound:
+        return None
+
+
+def _claim(
+    session: Session, *, team_id: str, upload_id: str, part_ids: list[str], md5: str | None, now: datetime
+) -> _Plan | File:
+    """Claim the upload for a completion of `part_ids`: a pending one, or one whose completion
+    of the same parts died (its claim let go of, or older than the lease). Returns the file
+    instead when the upload is already completed of these parts."""
     row = get_upload(session, team_id=team_id, upload_id=upload_id)
-    _require_pending(row, now)
+    done = _completed(session, row, part_ids)
+    if done is not None:
+        return done
+    taking_over = row.status == UploadStatus.completing.value and row.expires_at > now
+    if not taking_over:
+        _require_pending(row, now)
     if md5 is not None and not _MD5.match(md5):
         raise InvalidRequest(f"'md5' must be 32 hexadecimal digits, got {quote(md5)}.", param="md5")
     if not part_ids:
         raise InvalidRequest("'part_ids' names no part.", param="part_ids")
     if len(set(part_ids)) != len(part_ids):
         raise InvalidRequest("'part_ids' names a part more than once.", param="part_ids", code="duplicate_part")
+    if taking_over and row.completion_part_ids != part_ids:
+        raise Conflict(
+            f"Upload {row.id} is being completed of other parts: a retry names the same parts in the same order.",
+            param="upload_id",
+            code="upload_completing",
+        )
+    if taking_over and _claim_is_live(row, now):
+        raise Conflict(f"Upload {row.id} is being completed.", param="upload_id", code="upload_completing")
     found = {
         p.id: p
         for p in session.execute(
@@ -360,28 +418,39 @@ def _claim(session: Session, *, team_id: str, upload_id: str, part_ids: list[str
             param="part_ids",
             code="upload_size_mismatch",
         )
+    parts = [_Part(found[p].first_number, tuple(found[p].tags), found[p].object_key, found[p].bytes) for p in part_ids]
+    # The direct path makes the file at the multipart upload's key (the upload's file id); a
+    # concatenation writes a new one, named now so that a retry writes (or finds) the same.
+    file_id = row.file_id if taking_over or _direct(parts) else new_id()
+    held = (
+        (Upload.status == UploadStatus.completing.value)
+        & (
+            Upload.completing_since.is_(None)
+            if row.completing_since is None
+            else Upload.completing_since == row.completing_since
+        )
+        if taking_over
+        else Upload.status == UploadStatus.pending.value
+    )
     claimed = session.execute(
         update(Upload)
-        .where(Upload.id == row.id, Upload.status == UploadStatus.pending.value, Upload.expires_at > now)
-        .values(status=UploadStatus.completing.value)
+        .where(Upload.id == row.id, Upload.expires_at > now, held)
+        .values(
+            status=UploadStatus.completing.value, completing_since=now, completion_part_ids=part_ids, file_id=file_id
+        )
         .execution_options(synchronize_session=False)
     ).rowcount  # type: ignore[attr-defined]
     if not claimed:
         session.refresh(row)
         _require_pending(row, now)
         raise Conflict(f"Upload {row.id} is being completed.", param="upload_id", code="upload_completing")
-    parts = [_Part(found[p].first_number, tuple(found[p].tags), found[p].object_key, found[p].bytes) for p in part_ids]
-    return _Plan(team_id, row.file_id, row.multipart_key, row.multipart_id, parts)
+    return _Plan(row.id, team_id, file_id, row.multipart_key, row.multipart_id, parts, now)
 
 
-def _direct(plan: _Plan) -> bool:
+def _direct(parts: list[_Part]) -> bool:
     """Whether the store can complete its own multipart upload into the file as named."""
-    numbers = [p.first_number for p in plan.parts]
-    return (
-        all(n > 0 for n in numbers)
-        and all(a < b for a, b in pairwise(numbers))
-        and all(p.tags for p in plan.parts[:-1])
-    )
+    numbers = [p.first_number for p in parts]
+    return all(n > 0 for n in numbers) and all(a < b for a, b in pairwise(numbers)) and all(p.tags for p in parts[:-1])
 
 
 def _hashed(chunks: Iterable[bytes], digest: HASH | None) -> Iterator[bytes]:
@@ -398,60 +467,160 @@ def _check_md5(digest: HASH | None, md5: str | None) -> None:
         )
 
 
-def _assemble(store: ObjectStore, plan: _Plan, md5: str | None) -> tuple[str, int, list[str]]:
-    """Make the file; returns its id, its size and the objects to remove once it is recorded."""
-    digest = hashlib.md5(usedforsecurity=False) if md5 else None
-    apart = [p.object_key for p in plan.parts if p.object_key]
-    if _direct(plan):
-        store_parts = [(p.first_number + i, tag) for p in plan.parts for i, tag in enumerate(p.tags)]
-        last = plan.parts[-1]
-        if last.object_key:  # smaller than a middle part: it becomes the last store part
+def _size_at(store: ObjectStore, key: str) -> int | None:
+    return next((o.size for o in store.list(key) if o.key == key), None)
+
+
+def _complete_multipart(store: ObjectStore, plan: _Plan, runs: list[_Part], last: _Part | None) -> None:
+    """Complete the multipart upload of `runs` (ascending), then `last`, a part kept apart, as its
+    last store part; unless an earlier completion of the same claim already did: then the object
+    is at its key, at its size."""
+    size = sum(p.size for p in runs) + (last.size if last else 0)
+    if _size_at(store, plan.multipart_key) == size:
+        return
+    store_parts = [(p.first_number + i, tag) for p in runs for i, tag in enumerate(p.tags)]
+    try:
+        if last is not None and last.object_key:
             body = b"".join(store.open(last.object_key))
             store_parts.append(
                 (last.first_number, store.upload_part(plan.multipart_key, plan.multipart_id, last.first_number, body))
             )
-        size = store.complete_multipart(plan.multipart_key, plan.multipart_id, store_parts)
+        store.complete_multipart(plan.multipart_key, plan.multipart_id, store_parts)
+    except NoSuchMultipart:  # completed by a completion beside this one, or gone
+        if _size_at(store, plan.multipart_key) != size:
+            raise PartsGone(
+                f"The parts of upload {plan.upload_id} are no longer stored: the upload is cancelled.",
+                param="upload_id",
+            ) from None
+
+
+def _assemble(store: ObjectStore, plan: _Plan, md5: str | None) -> list[str]:
+    """Make the file at the plan's key (idempotent: a retry finds what an earlier attempt made,
+    or makes it again at the same key); returns the objects to remove once it is recorded."""
+    apart = [p.object_key for p in plan.parts if p.object_key]
+    if _direct(plan.parts):
+        last = plan.parts[-1] if plan.parts[-1].object_key else None
+        _complete_multipart(store, plan, [p for p in plan.parts if p.tags], last)
+        digest = hashlib.md5(usedforsecurity=False) if md5 else None
+        if digest is not None:
+            for _ in _hashed(store.open(plan.file_key), digest):
+                pass
         try:
-            if digest is not None:
-                for _ in _hashed(store.open(plan.multipart_key), digest):
-                    pass
             _check_md5(digest, md5)
-        except BaseException:
-            store.delete(plan.multipart_key)
+        except Md5Mismatch:
+            store.delete(plan.file_key)
             raise
-        return plan.file_id, size, apart
-    # Server-side concatenation: the runs named become the staging object, in number order.
+        return apart
     runs = sorted((p for p in plan.parts if p.tags), key=lambda p: p.first_number)
-    offsets: dict[int, int] = {}
-    if runs:
+    leftovers = [*apart, plan.multipart_key] if runs else apart
+    digest = hashlib.md5(usedforsecurity=False) if md5 else None
+    if _size_at(store, plan.file_key) == plan.size:  # an earlier attempt wrote it
+        if digest is not None:
+            for _ in _hashed(store.open(plan.file_key), digest):
+                pass
+    else:
+        # Server-side concatenation: the runs named become the staging object, in number order.
+        offsets: dict[int, int] = {}
         at = 0
         for p in runs:
             offsets[p.first_number] = at
             at += p.size
-        store_parts = [(p.first_number + i, tag) for p in runs for i, tag in enumerate(p.tags)]
-        store.complete_multipart(plan.multipart_key, plan.multipart_id, store_parts)
-    else:
-        store.abort_multipart(plan.multipart_key, plan.multipart_id)
-
-    def in_order() -> Iterator[bytes]:
-        for p in plan.parts:
-            if p.object_key:
-                yield from store.open(p.object_key)
-            else:
-                start = offsets[p.first_number]
-                yield from store.open(plan.multipart_key, start=start, end=start + p.size)
-
-    file_id = new_id()
-    key = file_service.file_key(plan.team_id, file_id)
-    try:
-        size = store.put(key, _hashed(in_order(), digest))
-        _check_md5(digest, md5)
-    except BaseException:
-        store.delete(key)
         if runs:
-            store.delete(plan.multipart_key)
+            _complete_multipart(store, plan, runs, None)
+        else:
+            store.abort_multipart(plan.multipart_key, plan.multipart_id)
+
+        def in_order() -> Iterator[bytes]:
+            for p in plan.parts:
+                if p.object_key:
+                    yield from store.open(p.object_key)
+                else:
+                    start = offsets[p.first_number]
+                    yield from store.open(plan.multipart_key, start=start, end=start + p.size)
+
+        # A failure leaves nothing at the key (a put appears whole or not at all) and the staging
+        # object in place: the retry needs it.
+        store.put(plan.file_key, _hashed(in_order(), digest))
+    try:
+        _check_md5(digest, md5)
+    except Md5Mismatch:
+        for key in (plan.file_key, plan.multipart_key) if runs else (plan.file_key,):
+            store.delete(key)
         raise
-    return file_id, size, [*apart, plan.multipart_key] if runs else apart
+    return leftovers
+
+
+def _record(
+    transaction: UnitOfWork, plan: _Plan, *, part_ids: list[str], default_batch_expiry_s: int
+) -> tuple[Upload, File]:
+    """Record the file, once: a completion that took the claim over may have recorded it already."""
+    with transaction() as session:
+        row = session.execute(select(Upload).where(Upload.id == plan.upload_id).with_for_update()).scalar_one()
+        done = _completed(session, row, part_ids)
+        if done is not None:
+            return row, done
+        if row.status != UploadStatus.completing.value or row.file_id != plan.file_id:
+            _require_pending(row, utcnow())
+            raise Conflict(f"Upload {row.id} is being completed.", param="upload_id", code="upload_completing")
+        file = session.get(File, plan.file_id) or file_service.record_upload(
+            session,
+            file_id=plan.file_id,
+            team_id=plan.team_id,
+            purpose=row.purpose,
+            filename=row.filename,
+            size=plan.size,
+            expires_after_s=row.file_expires_after_s,
+            default_batch_expiry_s=default_batch_expiry_s,
+        )
+        now = utcnow()
+        row.status, row.completed_at, row.cleaned_at = UploadStatus.completed.value, now, now
+        row.completing_since = None
+        session.execute(delete(UploadPart).where(UploadPart.upload_id == plan.upload_id))
+    return row, file
+
+
+def _after_failure(
+    transaction: UnitOfWork, plan: _Plan, part_ids: list[str], error: BaseException
+) -> tuple[Upload, File] | None:
+    """After a completion failed: the upload and its file when a completion beside it recorded
+    them; otherwise let go of the claim, so that a retry takes it over at once. Best effort: the
+    database may be what failed, and then the claim goes stale after the lease."""
+    try:
+        with transaction() as session:
+            row = session.get(Upload, plan.upload_id)
+            assert row is not None
+            done = _completed(session, row, part_ids)
+            if done is not None:
+                return row, done
+            session.execute(
+                update(Upload)
+                .where(
+                    Upload.id == plan.upload_id,
+                    Upload.status == UploadStatus.completing.value,
+                    Upload.completing_since == plan.claimed_at,
+                )
+                .values(completing_since=None)
+                .execution_options(synchronize_session=False)
+            )
+    except Exception as exc:  # noqa: BLE001 - the first failure is the one to answer with
+        error.add_note(f"letting go of the claim failed too: {exc!r}")
+    return None
+
+
+def _cancel(
+    transaction: UnitOfWork, store: ObjectStore, plan: _Plan, part_ids: list[str]
+) -> tuple[Upload, File] | None:
+    """Cancel the upload whose completion cannot succeed; unless a completion beside this one
+    recorded the file: then the upload and its file."""
+    with transaction() as session:
+        row = session.execute(select(Upload).where(Upload.id == plan.upload_id).with_for_update()).scalar_one()
+        done = _completed(session, row, part_ids)
+        if done is not None:
+            return row, done
+        if row.status == UploadStatus.completing.value and row.file_id == plan.file_id:
+            row.status, row.cancelled_at, row.completing_since = UploadStatus.cancelled.value, utcnow(), None
+            _discard_parts(session, store, row)
+    return None
 
 
 def complete_upload(
@@ -463,45 +632,34 @@ def complete_upload(
     part_ids: list[str],
     md5: str | None,
     default_batch_expiry_s: int,
+    now: datetime | None = None,
 ) -> tuple[Upload, File]:
-    """Make the file of the parts named, in that order. Three short transactions: claim the
-    upload, (no transaction while the store assembles the file), record the file; a failure in
-    between puts the upload back to pending, except an md5 mismatch, which cancels it."""
+    """Make the file of the parts named, in that order. Short transactions: claim the upload,
+    (none while the store assembles the file), record the file. Each step may be done again: a
+    completion that failed or died half-way is retried by completing the same parts again,
+    which finds what it had made in the store (or makes it again at the same key) and records
+    the file once; a retry of a completed upload answers with its file. An md5 mismatch, or
+    parts the store no longer holds, cancel the upload."""
     with transaction() as session:
-        plan = _claim(session, team_id=team_id, upload_id=upload_id, part_ids=part_ids, md5=md5)
-    try:
-        file_id, size, leftovers = _assemble(store, plan, md5)
-    except Md5Mismatch:
-        with transaction() as session:
+        claim = _claim(session, team_id=team_id, upload_id=upload_id, part_ids=part_ids, md5=md5, now=now or utcnow())
+        if isinstance(claim, File):
             row = session.get(Upload, upload_id)
             assert row is not None
-            row.status, row.cancelled_at = UploadStatus.cancelled.value, utcnow()
-            _discard_parts(session, store, row)
-        raise
-    except BaseException:
-        with transaction() as session:
-            session.execute(
-                update(Upload)
-                .where(Upload.id == upload_id, Upload.status == UploadStatus.completing.value)
-                .values(status=UploadStatus.pending.value)
-            )
-        raise
-    with transaction() as session:
-        row = session.get(Upload, upload_id)
-        assert row is not None
-        file = file_service.record_upload(
-            session,
-            file_id=file_id,
-            team_id=team_id,
-            purpose=row.purpose,
-            filename=row.filename,
-            size=size,
-            expires_after_s=row.file_expires_after_s,
-            default_batch_expiry_s=default_batch_expiry_s,
-        )
-        now = utcnow()
-        row.status, row.completed_at, row.cleaned_at, row.file_id = UploadStatus.completed.value, now, now, file_id
-        session.execute(delete(UploadPart).where(UploadPart.upload_id == upload_id))
+            return row, claim
+    plan = claim
+    try:
+        leftovers = _assemble(store, plan, md5)
+        row, file = _record(transaction, plan, part_ids=part_ids, default_batch_expiry_s=default_batch_expiry_s)
+    except (Md5Mismatch, PartsGone) as exc:
+        done = _cancel(transaction, store, plan, part_ids)
+        if done is None or isinstance(exc, Md5Mismatch):
+            raise
+        return done  # a completion beside this one made the file, then removed its parts
+    except Exception as exc:
+        done = _after_failure(transaction, plan, part_ids, exc)
+        if done is None:
+            raise
+        return done
     for key in leftovers:  # recorded: only now may what the file was made of go
         store.delete(key)
     return row, file
@@ -520,6 +678,11 @@ def _discard_parts(session: Session, store: ObjectStore, row: Upload) -> None:
     for key in apart:
         if key:
             store.delete(key)
+    # What a completion that died may have made: the multipart upload's object (the file of the
+    # direct path, or a concatenation's staging) and the concatenation's file. No file row names
+    # either: the upload never completed.
+    for key in {row.multipart_key, file_service.file_key(row.team_id, row.file_id)}:
+        store.delete(key)
     session.execute(delete(UploadPart).where(UploadPart.upload_id == row.id))
     row.cleaned_at = utcnow()
 
@@ -528,8 +691,12 @@ def cancel_upload(session: Session, store: ObjectStore, *, team_id: str, upload_
     row = get_upload(session, team_id=team_id, upload_id=upload_id)
     if row.status == UploadStatus.cancelled.value:
         return row
-    _require_pending(row, utcnow())
-    row.status, row.cancelled_at = UploadStatus.cancelled.value, utcnow()
+    session.refresh(row, with_for_update=True)  # a completion claims it under the same lock
+    now = utcnow()
+    # A completion that failed or died (its claim let go of, or stale) does not hold the upload.
+    if not (row.status == UploadStatus.completing.value and row.expires_at > now and not _claim_is_live(row, now)):
+        _require_pending(row, now)
+    row.status, row.cancelled_at, row.completing_since = UploadStatus.cancelled.value, now, None
     session.flush()
     _discard_parts(session, store, row)
     session.flush()

@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 import pytest
 from openai.types import Upload as SdkUpload
 from openai.types.uploads import UploadPart as SdkUploadPart
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session
 
-from backfill.api.wire import upload_id_in
-from backfill.jobs.models import Upload, UploadPart, utcnow
+from backfill.api.wire import file_id_out, upload_id_in
+from backfill.jobs.models import File, Upload, UploadPart, utcnow
 from backfill.jobs.retention import RetentionPolicy, run_retention
 from backfill.storage.db import unit_of_work
 from backfill.storage.objects import get_object_store
@@ -219,3 +223,44 @@ def test_the_wire_models_are_the_sdks(api: CheckedClient, ours: str, theirs: Any
         for key in ("enum", "const"):
             if key in prop:
                 assert schema["properties"][name].get(key) == prop[key], name
+
+
+def test_a_completion_whose_record_failed_is_retried_to_the_same_file(
+    api: CheckedClient, team: Team, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store made the file, then the transaction recording it failed: the retry answers 200
+    with the file the first attempt made (its id fixed when the upload was claimed), and so does
+    the retry after that."""
+    from backfill.api.routes import uploads as routes
+
+    calls = 0
+
+    @contextmanager
+    def record_fails_once() -> Iterator[Session]:
+        nonlocal calls
+        calls += 1
+        with unit_of_work() as session:
+            yield session
+            if calls == 2:  # the claim, then the record
+                raise OperationalError("COMMIT", {}, Exception("the database went away"))
+
+    pieces = [LINE * 2, LINE]
+    data = b"".join(pieces)
+    up = create(api, team, len(data))
+    ids = [part(api, team, up["id"], p) for p in pieces]
+    with monkeypatch.context() as patch:
+        patch.setattr(routes, "unit_of_work", record_fails_once)
+        assert complete(api, team, up["id"], ids).status_code == 500  # the database failed, not the upload
+    with unit_of_work() as session:
+        row = session.get(Upload, upload_id_in(up["id"]))
+        assert row is not None
+        claimed_file = row.file_id
+    done = complete(api, team, up["id"], ids)
+    assert done.status_code == 200, done.text
+    f = done.json()["file"]
+    assert f["id"] == file_id_out(claimed_file) and content(api, team, f["id"]) == data
+    again = complete(api, team, up["id"], ids)
+    assert again.status_code == 200, again.text
+    assert again.json()["file"] == f and again.json()["status"] == "completed"
+    with unit_of_work() as session:
+        assert session.execute(select(func.count()).select_from(File).where(File.id == claimed_file)).scalar() == 1

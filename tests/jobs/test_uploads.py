@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from datetime import timedelta
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from backfill.jobs import uploads
 from backfill.jobs.errors import Conflict
-from backfill.jobs.models import Upload, UploadPart, utcnow
+from backfill.jobs.models import File, Upload, UploadPart, utcnow
 from backfill.jobs.teams import get_or_create_team
+from backfill.storage.db import UnitOfWork
 from backfill.storage.objects import MIN_PART_BYTES, PART_BYTES, LocalObjectStore, ObjectStore, S3ObjectStore
 
 BUCKET = "backfill-test"
@@ -145,3 +149,154 @@ def test_cancel_and_expiry_remove_the_parts(db: sessionmaker[Session], store: Ob
     with db.begin() as session:
         assert session.get(Upload, expired.id) is not None
     assert uploads.clean_up_uploads(db.begin, store, now=later, limit=100) == 0
+
+
+# -- a completion that dies half-way ---------------------------------------------------------------
+
+
+class _DatabaseDown(OperationalError):
+    def __init__(self) -> None:
+        super().__init__("COMMIT", {}, Exception("the database went away"))
+
+
+def _failing(db: sessionmaker[Session], fail: Callable[[int], bool]) -> UnitOfWork:
+    """`db.begin`, but the transactions numbered (from 1) where `fail` says so roll back and raise
+    where they would have committed, as when the database or the process goes."""
+    calls = 0
+
+    @contextmanager
+    def transaction() -> Iterator[Session]:
+        nonlocal calls
+        calls += 1
+        with db.begin() as session:
+            yield session
+            if fail(calls):
+                raise _DatabaseDown
+
+    return transaction
+
+
+# (sizes, order): the direct path (the store completes its own multipart upload; its last part
+# kept apart on S3), then the concatenation with a staging object (parts named out of order).
+PATHS = [([6 * MiB, 1000], [0, 1]), ([6 * MiB, 5 * MiB, 300], [1, 0, 2])]
+
+
+def _parts(
+    db: sessionmaker[Session], store: ObjectStore, team_id: str, sizes: list[int], order: list[int]
+) -> tuple[Upload, list[str], bytes]:
+    pieces = _pieces(*sizes)
+    data = b"".join(pieces[i] for i in order)
+    up = _upload(db, store, team_id, len(data))
+    ids = [_part(db, store, team_id, up.id, p) for p in pieces]
+    return up, [ids[i] for i in order], data
+
+
+def _complete_parts(
+    transaction: UnitOfWork,
+    store: ObjectStore,
+    team_id: str,
+    upload_id: str,
+    part_ids: list[str],
+    data: bytes,
+    now: datetime | None = None,
+) -> tuple[Upload, File]:
+    return uploads.complete_upload(
+        transaction,
+        store,
+        team_id=team_id,
+        upload_id=upload_id,
+        part_ids=part_ids,
+        md5=hashlib.md5(data).hexdigest(),
+        default_batch_expiry_s=3600,
+        **({"now": now} if now is not None else {}),
+    )
+
+
+def _made_once(db: sessionmaker[Session], store: ObjectStore, team_id: str, upload_id: str, data: bytes) -> str:
+    """The upload made one file of `data`, and nothing else of it is left in the store."""
+    with db.begin() as session:
+        row = session.get(Upload, upload_id)
+        assert row is not None and row.status == "completed"
+        files = list(session.execute(select(File).where(File.team_id == team_id)).scalars())
+        assert [f.id for f in files] == [row.file_id]
+        assert session.execute(select(UploadPart).where(UploadPart.upload_id == upload_id)).first() is None
+    assert b"".join(store.open(files[0].object_key)) == data
+    assert [o.key for o in store.list(f"files/{team_id}/")] == [files[0].object_key]
+    assert list(store.list(f"uploads/{team_id}/")) == []
+    return files[0].id
+
+
+@pytest.mark.parametrize(("sizes", "order"), PATHS, ids=["direct", "concatenated"])
+def test_a_completion_whose_record_failed_is_retried(
+    db: sessionmaker[Session], store: ObjectStore, sizes: list[int], order: list[int]
+) -> None:
+    """The store made the file, then recording it failed (the process lives on): a retry at once
+    finds the file made and records it; a second retry returns the same upload and file."""
+    team_id = _team(db)
+    up, part_ids, data = _parts(db, store, team_id, sizes, order)
+    with pytest.raises(_DatabaseDown):  # the second transaction records the file
+        _complete_parts(_failing(db, lambda n: n == 2), store, team_id, up.id, part_ids, data)
+    row, file = _complete_parts(db.begin, store, team_id, up.id, part_ids, data)
+    assert row.status == "completed" and file.bytes == len(data)
+    assert _made_once(db, store, team_id, up.id, data) == file.id
+    # The answer to the first retry lost: the next one gets the same file, made nothing again.
+    again, same = _complete_parts(db.begin, store, team_id, up.id, part_ids, data)
+    assert again.status == "completed" and same.id == file.id
+    _made_once(db, store, team_id, up.id, data)
+
+
+@pytest.mark.parametrize(("sizes", "order"), PATHS, ids=["direct", "concatenated"])
+def test_a_completion_killed_before_recording_is_taken_over_once_stale(
+    db: sessionmaker[Session], store: ObjectStore, sizes: list[int], order: list[int]
+) -> None:
+    """Killed after the store made the file: nothing of the process runs again, its claim stays.
+    While the claim is live a retry is refused (409); once stale, a retry of the same parts takes
+    it over and records the file; one of other parts never does."""
+    team_id = _team(db)
+    up, part_ids, data = _parts(db, store, team_id, sizes, order)
+    with pytest.raises(_DatabaseDown):
+        _complete_parts(_failing(db, lambda n: n >= 2), store, team_id, up.id, part_ids, data)
+    with pytest.raises(Conflict) as live:
+        _complete_parts(db.begin, store, team_id, up.id, part_ids, data)
+    assert live.value.code == "upload_completing"
+    stale = utcnow() + uploads.COMPLETION_LEASE + timedelta(seconds=1)
+    with pytest.raises(Conflict) as other:
+        _complete_parts(db.begin, store, team_id, up.id, part_ids[::-1], data, now=stale)
+    assert other.value.code == "upload_completing"
+    row, file = _complete_parts(db.begin, store, team_id, up.id, part_ids, data, now=stale)
+    assert row.status == "completed" and file.bytes == len(data)
+    assert _made_once(db, store, team_id, up.id, data) == file.id
+
+
+class _Reentrant:
+    """A store that, while it assembles the file, lets `during` run once (a second completion)."""
+
+    def __init__(self, store: ObjectStore, during: Callable[[], None]) -> None:
+        self._store, self._during = store, during
+        self.min_part_bytes = store.min_part_bytes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def complete_multipart(self, key: str, upload_id: str, parts: Sequence[tuple[int, str]]) -> int:
+        self._during()
+        return self._store.complete_multipart(key, upload_id, parts)
+
+
+def test_a_second_completion_while_the_first_is_live_is_refused(db: sessionmaker[Session], store: ObjectStore) -> None:
+    team_id = _team(db)
+    up, part_ids, data = _parts(db, store, team_id, [6 * MiB, 1000], [0, 1])
+    refused: list[Conflict] = []
+
+    def second() -> None:
+        if refused:
+            return
+        try:
+            _complete_parts(db.begin, store, team_id, up.id, part_ids, data)
+        except Conflict as exc:
+            refused.append(exc)
+
+    row, file = _complete_parts(db.begin, cast(ObjectStore, _Reentrant(store, second)), team_id, up.id, part_ids, data)
+    assert [exc.code for exc in refused] == ["upload_completing"]
+    assert row.status == "completed"
+    assert _made_once(db, store, team_id, up.id, data) == file.id
