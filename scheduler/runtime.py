@@ -86,6 +86,12 @@ class Planner:
         fair = self.fair.setdefault(key, FairPlanner(self._policy))
         return fair.plan(pending, slots, now=utcnow(), weights=weights, rate_tokens_s=rate)
 
+    def look_again(self) -> None:
+        """The next call reads the batches afresh: the view gave nothing to claim, and a batch
+        that has just finished validating should be released now, not a refresh later (an idle
+        drain asks a few times, then ends)."""
+        self._at = None
+
     def pending_models(self) -> set[str | None]:
         """The models of the batches with work left (None for a batch whose model is not recorded)."""
         pending, _, _ = self._refresh()

@@ -34,7 +34,7 @@ from backfill.scheduler.fleet.client import FleetClient
 from backfill.scheduler.metrics import timed
 from backfill.scheduler.runtime import get_admission, make_escalation, make_planner, make_routes
 from backfill.scheduler.validation_pool import default_processes, validate_object
-from backfill.storage.broker import TaskName, celery_app
+from backfill.storage.broker import TaskName, celery_app, send_task
 from backfill.storage.db import unit_of_work
 from backfill.storage.fleet_models import get_catalog
 from backfill.storage.leases import exclusive_lease, get_lease_store
@@ -150,7 +150,12 @@ def validate_batch(batch_id: str) -> str:
                     status = validation.apply_validation(session, batch_id=batch_id, result=result)
             started = time.monotonic()
             if status != BatchStatus.failed:
+                # Its first lines can run now: a drain is started at once rather than at the
+                # scheduler's next tick (a surplus one waits briefly for a slot: `Dispatcher.run`).
+                _start_drain(batch_id)
                 validation.write_index_parts(unit_of_work, batch_id=batch_id, requests=result.requests)
+                if len(result.requests) > validation.FIRST_INDEX_PART:
+                    _start_drain(batch_id)  # the rest of its lines, for drains that ran out meanwhile
             log.info(
                 "validation of batch %s: %s in %.1f s; the rest of its index of %d lines written in %.1f s",
                 batch_id,
@@ -168,6 +173,20 @@ def validate_batch(batch_id: str) -> str:
             log.exception("validation of batch %s failed", batch_id)
             with unit_of_work() as session:
                 return validation.fail_batch_validation(session, batch_id=batch_id, message=reason)
+
+
+def _start_drain(batch_id: str) -> None:
+    try:
+        send_task(TaskName.drain)
+    except Exception:  # the broker only nudges: the scheduler's tick starts drains too
+        log.warning("could not start a drain for batch %s; the scheduler will", batch_id, exc_info=True)
+
+
+def _start_finalization(batch_id: str) -> None:
+    try:
+        send_task(TaskName.finalize_batch, batch_id)
+    except Exception:
+        log.warning("could not start finalizing batch %s; the scheduler will", batch_id, exc_info=True)
 
 
 @celery_app.task(name=TaskName.finalize_batch.value)
@@ -216,6 +235,7 @@ def drain() -> int:
                 shutdown=SHUTDOWN,
                 grace_s=s.drain_grace_s,
                 db_patience_s=s.db_outage_patience_s,
+                on_all_recorded=_start_finalization,
             )
             return await dispatcher.run(s.drain_slice_s, max_drains=s.drains)
         finally:

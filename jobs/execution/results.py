@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import cast
 
-from sqlalchemy import Integer, String, Table, Text, TextClause, bindparam, text, update
+from sqlalchemy import Integer, String, Table, Text, TextClause, bindparam, select, text, update
 from sqlalchemy.orm import Session
 
 from backfill.jobs.billing.ledger import record_usage
 from backfill.jobs.errors import error_bytes
 from backfill.jobs.execution.replies import Outcome, Usage
-from backfill.jobs.models import Batch, BatchRequest, RequestState, new_id, utcnow
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, RequestState, new_id, utcnow
 
 ATTEMPTS_EXCEEDED = "max_attempts_exceeded"
 # The columns of a group's answers, in the order `record_outcomes` lists them.
@@ -101,6 +101,25 @@ def record_outcomes(session: Session, *, claim_token: str, results: Sequence[tup
         assert batch is not None
         record_usage(session, batch, items)
     return sum(len(items) for items in recorded.values())
+
+
+def all_recorded(session: Session, batch_ids: Sequence[str]) -> list[str]:
+    """Of `batch_ids`, the batches running whose every line has its answer recorded: ready to
+    finalize. Asked after `record_outcomes` in the same transaction, it sees every other
+    recorder's commit (the counters' update waits for the batch row), so of two recorders that
+    write a batch's last lines at once, the later one sees the batch done."""
+    if not batch_ids:
+        return []
+    return list(
+        session.execute(
+            select(Batch.id).where(
+                Batch.id.in_(sorted(set(batch_ids))),
+                Batch.status == BatchStatus.in_progress,
+                Batch.unindexed == 0,
+                Batch.completed + Batch.failed >= Batch.total,
+            )
+        ).scalars()
+    )
 
 
 def _write_results(session: Session, claim_token: str, rows: list[tuple[object, ...]]) -> set[tuple[str, int]]:

@@ -52,6 +52,8 @@ from backfill.storage.objects import ObjectStore
 log = logging.getLogger("backfill.dispatch")
 
 CLAIM_GROUP = 32
+# How long a drain waits for a drain slot, and how often it asks (`Dispatcher.run`).
+SLOT_WAIT_S, SLOT_POLL_S = 1.0, 0.05
 DRAIN_POOL = "drains"
 UNSHEDDABLE = -1  # the shedding key of escalated calls: no controller's shed target aborts them
 
@@ -77,6 +79,7 @@ class Dispatcher:
         escalation: EscalatedRelease | None = None,
         routes: FleetRoutes | None = None,
         pending_models: Callable[[], set[str | None]] | None = None,
+        on_all_recorded: Callable[[str], None] | None = None,
     ) -> None:
         self.store = store
         self.leases = leases
@@ -100,7 +103,11 @@ class Dispatcher:
         self.holder = f"drain-{uuid.uuid4().hex[:12]}"
         self._held: dict[str, str] = {}  # lease id -> its pool, for renewal
         self.recorder = Recorder(
-            holder=self.holder, max_attempts=max_attempts, patience_s=db_patience_s, finish_by=self._finish_by
+            holder=self.holder,
+            max_attempts=max_attempts,
+            patience_s=db_patience_s,
+            finish_by=self._finish_by,
+            on_all_recorded=on_all_recorded,  # finalization nudged as a batch's last line is recorded
         )
         self._inflight: set[asyncio.Task[None]] = set()
         self._calls = InflightCalls(admission, leases, self._lease_store_down)  # what a shed may abort
@@ -137,19 +144,25 @@ class Dispatcher:
     async def run(self, slice_s: float, *, max_drains: int) -> int:
         """Work for about `slice_s` seconds (or until no work is left); returns requests sent.
 
-        A drain first takes one of `max_drains` slots, so surplus nudges end at once."""
+        A drain first takes one of `max_drains` slots, waiting up to SLOT_WAIT_S for one, so
+        surplus nudges end soon. (A drain started for new work may find every slot held by
+        drains that are about to end for lack of work, or that see the new work themselves
+        within a planner refresh: waiting briefly covers the first case.)"""
         if self._stopping():
             return 0
+        give_up_at = time.monotonic() + SLOT_WAIT_S
         try:
-            slot = await asyncio.to_thread(
-                self.leases.acquire, DRAIN_POOL, limit=max_drains, n=1, ttl_s=self.admission.ttl_s
-            )
-            if slot:
-                await asyncio.to_thread(self.leases.heartbeat, self.holder, ttl_s=self.admission.ttl_s)
+            while not (
+                slot := await asyncio.to_thread(
+                    self.leases.acquire, DRAIN_POOL, limit=max_drains, n=1, ttl_s=self.admission.ttl_s
+                )
+            ):
+                if time.monotonic() >= give_up_at or self._stopping():
+                    return 0
+                await asyncio.sleep(SLOT_POLL_S)
+            await asyncio.to_thread(self.leases.heartbeat, self.holder, ttl_s=self.admission.ttl_s)
         except RedisError:
             log.warning("lease store unreachable: drain not started", exc_info=True)
-            return 0
-        if not slot:
             return 0
         self._held[slot[0]] = DRAIN_POOL
         keepalive = asyncio.create_task(self._keepalive())
@@ -244,6 +257,9 @@ class Dispatcher:
             if not claimed:
                 await self._give_back(spare)
                 idle_rounds += 1
+                # The planner's view may predate a batch that is ready now (`Planner.look_again`).
+                if (look_again := getattr(self.planner, "look_again", None)) is not None:
+                    look_again()
                 if idle_rounds >= 3 and not self._inflight:
                     return  # nothing to do: the scheduler starts another drain when work arrives
                 # With requests in flight, one finishing may free lines that wait for it (an

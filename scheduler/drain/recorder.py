@@ -27,7 +27,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_ran
 from backfill.jobs.errors import error_bytes
 from backfill.jobs.execution.claims import ClaimedRequest, release_for_retry, requeue_unstarted
 from backfill.jobs.execution.replies import Outcome, outcome_of
-from backfill.jobs.execution.results import attempts_exceeded, record_outcomes
+from backfill.jobs.execution.results import all_recorded, attempts_exceeded, record_outcomes
 from backfill.jobs.models import utcnow
 from backfill.jobs.sweeps import lines_held_by
 from backfill.scheduler.fleet.client import FleetReply
@@ -68,9 +68,18 @@ class Done:
 
 class Recorder:
     def __init__(
-        self, *, holder: str, max_attempts: int, patience_s: float, finish_by: Callable[[], float | None]
+        self,
+        *,
+        holder: str,
+        max_attempts: int,
+        patience_s: float,
+        finish_by: Callable[[], float | None],
+        on_all_recorded: Callable[[str], None] | None = None,
     ) -> None:
         self.holder = holder
+        # Told the id of each batch whose last line this recorder wrote, once that is committed:
+        # its finalization starts then rather than at the scheduler's next tick.
+        self.on_all_recorded = on_all_recorded
         self.max_attempts = max_attempts
         self.patience_s = patience_s
         self.finish_by = finish_by  # a stopping drain's deadline: no retry past it
@@ -229,3 +238,7 @@ class Recorder:
                     continue
                 finished.append((r.batch_id, r.line, answer.outcome))
             record_outcomes(session, claim_token=self.holder, results=finished)
+            ready = all_recorded(session, [b for b, _, _ in finished]) if self.on_all_recorded and finished else []
+        for batch_id in ready:
+            assert self.on_all_recorded is not None
+            self.on_all_recorded(batch_id)
