@@ -25,11 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import ColumnElement, and_, delete, exists, or_, select, update
+from sqlalchemy import ColumnElement, and_, delete, exists, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from backfill.jobs.billing.rollup import roll_up_ledger
-from backfill.jobs.models import TERMINAL_STATUSES, Batch, BatchRequest, File, utcnow
+from backfill.jobs.models import TERMINAL_STATUSES, UNRETIRED_SQL, Batch, BatchRequest, File, utcnow
 from backfill.jobs.uploads import clean_up_uploads
 from backfill.storage.db import UnitOfWork
 from backfill.storage.objects import ObjectStore
@@ -140,6 +140,8 @@ def batches_to_retire(session: Session, *, ended: ColumnElement[bool], limit: in
     without deleting its lines."""
     query = select(Batch.id).where(
         Batch.status.in_([s.value for s in TERMINAL_STATUSES]),
+        # The partial index's own predicate, word for word: SQLite uses a partial index only then.
+        text(f"({UNRETIRED_SQL})"),
         Batch.ledger_rolled_up_at.is_(None) | (Batch.bodies_purged_at.is_(None) & _files_written()),
         ended,
     )
