@@ -409,9 +409,12 @@ class Dispatcher:
                     answer = replace(
                         answer,
                         outcome=replace(answer.outcome, request_id=overflow_request_id(answer.outcome.request_id)),
-                        # An overflow that fails is ours to route around: the line goes back to the
-                        # fleet paths without spending an attempt (its breaker stops the next ones).
-                        sent=answer.sent and not answer.transient,
+                        # Any refusal from an overflow is the provider's (its keys, its model list,
+                        # its rate limit, its servers), not the line's, which would have run on the
+                        # fleet: the line goes back to the fleet paths without spending an attempt,
+                        # and the overflow's breaker counts it (`FleetClient._report`).
+                        transient=answer.transient or not answer.outcome.succeeded,
+                        sent=answer.sent and answer.outcome.succeeded,
                     )
                 self._observe(reply, answer, pool)
                 record_fleet_reply(reply)

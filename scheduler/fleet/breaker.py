@@ -49,11 +49,18 @@ class BreakerPolicy:
     failure_ratio: float = 0.5  # open when this share of the window's calls failed
     cooldown_s: float = 5.0  # open -> half_open after this long
     probe_ttl_s: float = 30.0  # a probe that never reports frees its slot after this long
+    # Each failed probe doubles the cool-down, up to this (0: it never grows), so a deployment
+    # that keeps refusing (an overflow provider out of quota) is asked less and less often.
+    max_cooldown_s: float = 0.0
+
+    def cooldown_after(self, reopens: int) -> float:
+        return min(max(self.cooldown_s, self.max_cooldown_s), self.cooldown_s * 2**reopens)
 
     @property
     def key_ttl_ms(self) -> int:
         # Long enough that an open breaker outlives its cool-down and probe; an idle one goes.
-        return math.ceil(2 * (self.window_s + self.cooldown_s + self.probe_ttl_s) * 1000)
+        longest = max(self.cooldown_s, self.max_cooldown_s)
+        return math.ceil(2 * (self.window_s + longest + self.probe_ttl_s) * 1000)
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,8 @@ class LocalBreaker:
         self.policy = policy or BreakerPolicy()
         self._state = BreakerState.closed
         self._opened_at = 0.0
+        self._cooldown_s = self.policy.cooldown_s
+        self._reopens = 0  # failed probes since the breaker last closed
         self._probe_until = 0.0
         self._streak = 0  # failures since the last success
         self._counts: dict[int, list[int]] = {}  # bucket -> [calls, failures]
@@ -108,7 +117,7 @@ class LocalBreaker:
         if self._state is BreakerState.closed:
             return Permit(True)
         if self._state is BreakerState.open:
-            wait = self._opened_at + self.policy.cooldown_s - now
+            wait = self._opened_at + self._cooldown_s - now
             if wait > 0:
                 return Permit(False, retry_after_s=wait)
             self._state, self._probe_until = BreakerState.half_open, 0.0
@@ -122,7 +131,7 @@ class LocalBreaker:
         if self._state is BreakerState.half_open:
             if not probe:
                 return None  # only the probe's answer speaks for the deployment now
-            return self._close() if ok else self._open(now)
+            return self._close() if ok else self._open(now, again=True)
         if self._state is BreakerState.open:
             return None  # a late answer to a call sent before the breaker opened
         p = self.policy
@@ -142,8 +151,10 @@ class LocalBreaker:
             return self._open(now)
         return None
 
-    def _open(self, now: float) -> BreakerState:
+    def _open(self, now: float, *, again: bool = False) -> BreakerState:
         self._state, self._opened_at, self._probe_until = BreakerState.open, now, 0.0
+        self._reopens = self._reopens + 1 if again else 0
+        self._cooldown_s = self.policy.cooldown_after(self._reopens)
         self._counts.clear()
         self._streak = 0
         return self._state
@@ -163,14 +174,14 @@ def local_breaker(name: str, policy: BreakerPolicy) -> LocalBreaker:
 # KEYS[1] = the deployment's hash; ARGV = cooldown_s, probe_ttl_s, key_ttl_ms.
 # Returns {allowed, probe, retry_after_s as a string (Lua numbers come back truncated)}.
 _ALLOW = """
-local st = redis.call('HMGET', KEYS[1], 'state', 'opened_at', 'probe_until')
+local st = redis.call('HMGET', KEYS[1], 'state', 'opened_at', 'probe_until', 'cooldown')
 local state = st[1] or 'closed'
 if state == 'closed' then return {1, 0, '0'} end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local probe_until = tonumber(st[3] or '0')
 if state == 'open' then
-  local wait = tonumber(st[2]) + tonumber(ARGV[1]) - now
+  local wait = tonumber(st[2]) + tonumber(st[4] or ARGV[1]) - now
   if wait > 0 then return {0, 0, tostring(wait)} end
   redis.call('HSET', KEYS[1], 'state', 'half_open')
   probe_until = 0
@@ -184,19 +195,24 @@ return {0, 0, tostring(probe_until - now)}
 """
 
 # KEYS[1] = the deployment's hash; ARGV = ok, probe, window_s, buckets, min_failures,
-# failure_ratio, key_ttl_ms, calls (successes reported together: ok only). Fields c:<bucket> / f:<bucket> count calls / failures per step of
+# failure_ratio, key_ttl_ms, calls (successes reported together: ok only), cooldown_s,
+# max_cooldown_s (a failed probe reopens it for twice as long as last time, up to this). Fields c:<bucket> / f:<bucket> count calls / failures per step of
 # the window. Returns the new state when this report changed it, else ''.
 _RECORD = """
 local key, ok, probe = KEYS[1], ARGV[1] == '1', ARGV[2] == '1'
 local window, buckets = tonumber(ARGV[3]), tonumber(ARGV[4])
 local min_failures, ratio, ttl_ms = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
 local calls_n = tonumber(ARGV[8] or '1')
+local cooldown, max_cooldown = tonumber(ARGV[9] or '5'), tonumber(ARGV[10] or '0')
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local state = redis.call('HGET', key, 'state') or 'closed'
-local function open()
+local function open(again)
+  local reopens = 0
+  if again then reopens = tonumber(redis.call('HGET', key, 'reopens') or '0') + 1 end
+  local wait = math.min(math.max(cooldown, max_cooldown), cooldown * 2 ^ reopens)
   redis.call('DEL', key)
-  redis.call('HSET', key, 'state', 'open', 'opened_at', tostring(now))
+  redis.call('HSET', key, 'state', 'open', 'opened_at', tostring(now), 'reopens', reopens, 'cooldown', tostring(wait))
   redis.call('PEXPIRE', key, ttl_ms)
   return 'open'
 end
@@ -206,7 +222,7 @@ if state == 'half_open' then
     redis.call('DEL', key)
     return 'closed'
   end
-  return open()
+  return open(true)
 end
 if state == 'open' then return '' end
 local b = math.floor(now / (window / buckets))
@@ -231,7 +247,7 @@ for i = 1, #all, 2 do
     if kind == 'c' then calls = calls + tonumber(all[i + 1]) else failures = failures + tonumber(all[i + 1]) end
   end
 end
-if failures >= min_failures and (failures >= ratio * calls or streak >= min_failures) then return open() end
+if failures >= min_failures and (failures >= ratio * calls or streak >= min_failures) then return open(false) end
 return ''
 """
 
@@ -281,7 +297,7 @@ class SharedBreaker:
             try:
                 changed = await self._record(
                     keys=[self.key],
-                    args=[int(ok), int(probe), p.window_s, p.buckets, p.min_failures, p.failure_ratio, p.key_ttl_ms],
+                    args=[int(ok), int(probe), *self._window_args(), 1, p.cooldown_s, p.max_cooldown_s],
                 )
                 return BreakerState(changed) if changed else None
             except (RedisError, OSError) as exc:
@@ -303,13 +319,17 @@ class SharedBreaker:
                 try:
                     await self._record(
                         keys=[self.key],
-                        args=[1, 0, p.window_s, p.buckets, p.min_failures, p.failure_ratio, p.key_ttl_ms, n],
+                        args=[1, 0, *self._window_args(), n, p.cooldown_s, p.max_cooldown_s],
                     )
                     continue
                 except (RedisError, OSError) as exc:
                     self._redis_lost(exc)
             for _ in range(n):
                 self._fallback.record_now(ok=True)
+
+    def _window_args(self) -> list[float | int]:
+        p = self.policy
+        return [p.window_s, p.buckets, p.min_failures, p.failure_ratio, p.key_ttl_ms]
 
     def _redis_up(self) -> bool:
         return time.monotonic() >= self._redis_away_until

@@ -20,7 +20,7 @@ import math
 import random
 import ssl
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -39,6 +39,7 @@ MAX_REPLY_BYTES = 64 * 1024 * 1024
 # its pool (httpcore's expiry check), so 64 lines in flight over 32 pools cost ~2 polls a request
 # (over 8 pools: ~8, and the drain's CPU a line was a third higher: docs/capacity.md).
 POOL_SHARDS = 32
+OVERFLOW_MAX_COOLDOWN_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,9 @@ class FleetClient:
         self._body_idle_s = min(body_idle_timeout_s, timeout_s)
         self._open_wait_s = open_wait_s
         policy = breaker_policy or BreakerPolicy()
+        # An overflow that keeps refusing is asked less and less often (a probe each cool-down,
+        # doubled by each failed probe); the fleet's own deployments keep the plain cool-down.
+        overflow_policy = replace(policy, max_cooldown_s=max(policy.max_cooldown_s, OVERFLOW_MAX_COOLDOWN_S))
         self._redis = (
             redis.asyncio.Redis.from_url(
                 redis_url, decode_responses=True, socket_timeout=2.0, socket_connect_timeout=2.0
@@ -124,8 +128,9 @@ class FleetClient:
             else None
         )
         self.breakers: list[Breaker] = [
-            SharedBreaker(self._redis, url, policy) if self._redis is not None else local_breaker(url, policy)
-            for url in self._urls
+            SharedBreaker(self._redis, url, p) if self._redis is not None else local_breaker(url, p)
+            for i, url in enumerate(self._urls)
+            for p in [policy if i < len(urls) else overflow_policy]
         ]
         # Several small pools rather than one large one: httpcore looks through every pooled
         # connection on each request (to drop expired ones), so a request's cost grows with the
@@ -226,7 +231,10 @@ class FleetClient:
                 del self._asking[i]
 
     async def _report(self, i: int, permit: Permit, reply: FleetReply) -> None:
-        failed = reply.transient and reply.status_code >= 500
+        # A fleet deployment fails by its server errors (its 4xx judge the line); an overflow
+        # deployment by any refusal: its auth, its model list and its rate limit are its own.
+        overflow = i >= self.fleet_deployments
+        failed = (reply.transient and reply.status_code >= 500) or (overflow and reply.status_code >= 400)
         changed = await self.breakers[i].record(ok=not failed, probe=permit.probe)
         if changed is BreakerState.open:
             log.warning("fleet deployment %s: circuit opened (last reply %d)", self._urls[i], reply.status_code)

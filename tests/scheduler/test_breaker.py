@@ -6,6 +6,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -125,6 +126,36 @@ def test_a_failed_probe_opens_again_for_a_full_cooldown(make_breaker: Callable[[
         assert await b.record(ok=False, probe=True) is BreakerState.open
         permit = await b.allow()
         assert not permit.allowed and permit.retry_after_s > POLICY.cooldown_s - 0.1
+
+    asyncio.run(go())
+
+
+def test_each_failed_probe_doubles_the_cooldown_up_to_its_cap(
+    make_breaker: Callable[[BreakerPolicy], Breaker],
+) -> None:
+    """A deployment that keeps refusing (an overflow provider out of quota, or refusing its key)
+    is asked less and less often: each failed probe doubles the cool-down, up to the cap; a
+    successful probe closes it, and the next opening starts from the plain cool-down again."""
+    policy = replace(POLICY, max_cooldown_s=4 * POLICY.cooldown_s)
+
+    async def reopen(b: Breaker) -> float:
+        while not (permit := await b.allow()).allowed:
+            await asyncio.sleep(max(0.01, permit.retry_after_s))
+        assert permit.probe
+        assert await b.record(ok=False, probe=True) is BreakerState.open
+        return (await b.allow()).retry_after_s
+
+    async def go() -> None:
+        b = make_breaker(policy)
+        await fail(b, 3)
+        waits = [await reopen(b) for _ in range(3)]
+        c = POLICY.cooldown_s
+        assert 1.6 * c < waits[0] <= 2 * c and 3.2 * c < waits[1] <= 4 * c and 3.2 * c < waits[2] <= 4 * c, waits
+        while not (permit := await b.allow()).allowed:
+            await asyncio.sleep(max(0.01, permit.retry_after_s))
+        assert await b.record(ok=True, probe=True) is BreakerState.closed
+        await fail(b, 3)
+        assert 0 < (await b.allow()).retry_after_s <= c
 
     asyncio.run(go())
 
