@@ -239,7 +239,8 @@ def test_a_leader_whose_tick_is_blocked_in_the_database_hands_over(scratch_db: s
     try:
         leader.start()
         wait_until("the first replica leads", lambda: bool(terms), timeout_s=30, every_s=0.05)
-        wait_until("the standby leads", standby.try_acquire, timeout_s=3 * ttl_s, every_s=0.2)
+        takeover_s = wait_until("the standby leads", standby.try_acquire, timeout_s=3 * ttl_s, every_s=0.2)
+        print(f"hung-leader: ttl_s={ttl_s} progress_timeout_s={ttl_s / 2} takeover_s={takeover_s:.1f}")
         standby_keeper.start()
         blocker.rollback()  # the stuck tick goes on: its next step finds it no longer leads
         wait_until("the stuck replica stands by", lambda: not stuck.held(), timeout_s=30)
