@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -299,4 +299,82 @@ def test_a_second_completion_while_the_first_is_live_is_refused(db: sessionmaker
     row, file = _complete_parts(db.begin, cast(ObjectStore, _Reentrant(store, second)), team_id, up.id, part_ids, data)
     assert [exc.code for exc in refused] == ["upload_completing"]
     assert row.status == "completed"
+    assert _made_once(db, store, team_id, up.id, data) == file.id
+
+
+@pytest.mark.parametrize(("sizes", "order"), PATHS, ids=["direct", "concatenated"])
+def test_an_upload_whose_completion_failed_can_be_cancelled(
+    db: sessionmaker[Session], store: ObjectStore, sizes: list[int], order: list[int]
+) -> None:
+    """A failed completion lets go of the upload: cancelling it removes what the completion made too."""
+    team_id = _team(db)
+    up, part_ids, data = _parts(db, store, team_id, sizes, order)
+    with pytest.raises(_DatabaseDown):
+        _complete_parts(_failing(db, lambda n: n == 2), store, team_id, up.id, part_ids, data)
+    with db.begin() as session:
+        assert uploads.cancel_upload(session, store, team_id=team_id, upload_id=up.id).status == "cancelled"
+    with pytest.raises(Conflict) as cancelled:
+        _complete_parts(db.begin, store, team_id, up.id, part_ids, data)
+    assert cancelled.value.code == "upload_cancelled"
+    assert list(store.list(f"files/{team_id}/")) == []
+    assert list(store.list(f"uploads/{team_id}/")) == []
+
+
+@pytest.mark.parametrize(("sizes", "order"), PATHS, ids=["direct", "concatenated"])
+def test_a_slow_completion_taken_over_ends_with_the_same_file(
+    db: sessionmaker[Session], store: ObjectStore, sizes: list[int], order: list[int]
+) -> None:
+    """A completion still running past the lease is taken over by a retry, which makes the file,
+    records it and removes the parts; the slow one then finds it recorded and answers with it."""
+    team_id = _team(db)
+    up, part_ids, data = _parts(db, store, team_id, sizes, order)
+    stale = utcnow() + uploads.COMPLETION_LEASE + timedelta(seconds=1)
+    taken: list[File] = []
+
+    def retry() -> None:
+        if not taken:
+            taken.append(_complete_parts(db.begin, store, team_id, up.id, part_ids, data, now=stale)[1])
+
+    slow = cast(ObjectStore, _Reentrant(store, retry))
+    row, file = _complete_parts(db.begin, slow, team_id, up.id, part_ids, data)
+    assert row.status == "completed" and [f.id for f in taken] == [file.id]
+    assert _made_once(db, store, team_id, up.id, data) == file.id
+
+
+class _PutBreaksOnce:
+    """A store whose first `put` breaks off after its first chunk, as a connection does."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self._store, self.broke = store, False
+        self.min_part_bytes = store.min_part_bytes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def put(self, key: str, chunks: Iterable[bytes], *, max_bytes: int | None = None) -> int:
+        if self.broke:
+            return self._store.put(key, chunks, max_bytes=max_bytes)
+        self.broke = True
+
+        def breaking() -> Iterator[bytes]:
+            yield next(iter(chunks))
+            raise ConnectionResetError("the store went away")
+
+        return self._store.put(key, breaking(), max_bytes=max_bytes)
+
+
+def test_a_concatenation_broken_off_is_written_again_at_the_same_key(
+    db: sessionmaker[Session], store: ObjectStore
+) -> None:
+    team_id = _team(db)
+    up, part_ids, data = _parts(db, store, team_id, [6 * MiB, 5 * MiB, 300], [1, 0, 2])
+    flaky = _PutBreaksOnce(store)
+    with pytest.raises(ConnectionResetError):
+        _complete_parts(db.begin, cast(ObjectStore, flaky), team_id, up.id, part_ids, data)
+    with db.begin() as session:
+        row = session.get(Upload, up.id)
+        assert row is not None
+        claimed = row.file_id
+    _, file = _complete_parts(db.begin, cast(ObjectStore, flaky), team_id, up.id, part_ids, data)
+    assert file.id == claimed
     assert _made_once(db, store, team_id, up.id, data) == file.id
