@@ -253,11 +253,28 @@ def _batch_price(session: Session, batch: Batch) -> tuple[Price, Rates] | None:
             version=batch.price_version,
         )
         if price is None:
-            log.warning(
-                "no price in force for model %r (batch %s): usage is recorded at zero cost", batch.model, batch.id
-            )
+            _warn_unpriced(batch.model or "", batch.id)
         cache[batch.id] = (price, batch_rates(price, batch)) if price else None
     return cache[batch.id]
+
+
+# Models already said to have no price, in this process (bounded: a model name is the client's).
+_UNPRICED_SAID: set[str] = set()
+_UNPRICED_SAID_MAX = 1024
+
+
+def _warn_unpriced(model: str, batch_id: str) -> None:
+    """Once per model, not once per group of results (a 400-line batch with no price said it
+    dozens of times)."""
+    if model in _UNPRICED_SAID or len(_UNPRICED_SAID) >= _UNPRICED_SAID_MAX:
+        return
+    _UNPRICED_SAID.add(model)
+    log.warning(
+        "no price in force for model %r (first seen on batch %s): its usage is recorded at zero cost "
+        "until a price is set (`backfill prices set`); not said again for this model",
+        model,
+        batch_id,
+    )
 
 
 def _insert_ignoring_duplicates(session: Session, rows: list[dict[str, Any]]) -> None:
