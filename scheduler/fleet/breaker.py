@@ -54,7 +54,7 @@ class BreakerPolicy:
     max_cooldown_s: float = 0.0
 
     def cooldown_after(self, reopens: int) -> float:
-        return min(max(self.cooldown_s, self.max_cooldown_s), self.cooldown_s * 2**reopens)
+        return min(max(self.cooldown_s, self.max_cooldown_s), self.cooldown_s * 2.0**reopens)
 
     @property
     def key_ttl_ms(self) -> int:
