@@ -21,7 +21,9 @@ from backfill.jobs.errors import (
     Unauthorized,
     error_body,
 )
+from backfill.storage.db import is_transient as is_transient_database_error
 from backfill.storage.fleet_models import FleetUnavailable
+from backfill.storage.objects import is_transient as is_transient_store_error
 
 log = logging.getLogger("backfill.api")
 
@@ -44,11 +46,11 @@ _DESCRIPTIONS = {
     413: "The body or the file is larger than allowed.",
     429: "Too many requests.",
     500: "A bug: the server had an error while processing the request.",
-    503: "The inference fleet is unavailable.",
+    503: "The inference fleet, the database or the object store is briefly unavailable: retry.",
 }
 
 # The statuses every route may answer with, in the one envelope; routers add 403 or 503 where they apply.
-COMMON_ERRORS = (400, 401, 404, 409, 413, 429, 500)
+COMMON_ERRORS = (400, 401, 404, 409, 413, 429, 500, 503)
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict[str, object]]:
@@ -108,5 +110,15 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _bug(_: Request, exc: Exception) -> JSONResponse:
+        # The database or the object store away for a moment is an outage, not a bug: the
+        # client may retry (the OpenAI SDK retries a 503 by itself), and nothing was half-done,
+        # since every write is a transaction or lands at a deterministic key.
+        if is_transient_database_error(exc) or is_transient_store_error(exc):
+            log.warning("a request met an outage: %s", exc.__class__.__name__)
+            response = envelope(
+                503, "The service is briefly unavailable; retry the request.", type_="server_error", code="unavailable"
+            )
+            response.headers["Retry-After"] = "1"
+            return response
         log.exception("unhandled error")
         return envelope(500, "The server had an error while processing your request.", type_="server_error")

@@ -250,7 +250,7 @@ def test_a_completion_whose_record_failed_is_retried_to_the_same_file(
     ids = [part(api, team, up["id"], p) for p in pieces]
     with monkeypatch.context() as patch:
         patch.setattr(routes, "unit_of_work", record_fails_once)
-        assert complete(api, team, up["id"], ids).status_code == 500  # the database failed, not the upload
+        assert complete(api, team, up["id"], ids).status_code == 503  # the database was away: retry
     with unit_of_work() as session:
         row = session.get(Upload, upload_id_in(up["id"]))
         assert row is not None
