@@ -16,7 +16,6 @@ tok/s over the oracle's, and over the best static setting that holds the SLO (at
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -24,7 +23,7 @@ from typing import Any
 
 from backfill.sim.control import Policy, Sim, SloRule
 from backfill.sim.engine import FleetSpec
-from backfill.sim.oracle import search, windows_of
+from backfill.sim.oracle import replay_of, search
 from backfill.sim.workload import GENERATORS, Session, Trace, Turn
 from bench.agent_trace import TRACES, build_trace
 from bench.harvest_results import pct
@@ -111,7 +110,7 @@ def one(
             seed=seed,
             allowed=allowed,
             runs=statics,
-            schedules=[windows_of(c, math.ceil(trace.duration_s))],
+            schedules=[replay_of(c)],
             floor=rows["a"].attainment - 0.01,
             improve_tries=improve_tries,
         )

@@ -150,6 +150,8 @@ class Policy:
     kind: str  # none | static | schedule | controller
     limit: int = 0
     schedule: list[int] = field(default_factory=list)
+    # Per window, the shed target to publish with the limit (None: none). Empty: shed to the limit.
+    sheds: list[int | None] = field(default_factory=list)
     window_s: float = 1.0
     control: dict[str, Any] = field(default_factory=dict)  # ControlConfig overrides
 
@@ -205,6 +207,7 @@ class Sim:
         self.batch_aborted = 0
         self.decisions: dict[str, int] = {}
         self.limits: list[tuple[float, int]] = []
+        self.sheds: list[int | None] = []  # the controller's shed target beside each limit
         self.escalated = 0
         self.batch_on = policy.kind != "none"
         self.duration = trace.duration_s
@@ -395,6 +398,7 @@ class Sim:
             d: Decision = self.loop.once()
             self.decisions[d.reason] = self.decisions.get(d.reason, 0) + 1
             self.limits.append((now, d.limit))
+            self.sheds.append(d.shed_to)
             period = self.loop.controller.cfg.period_s
         elif self.policy.kind == "schedule":
             w = self.policy.window_s
@@ -402,9 +406,13 @@ class Sim:
             sched = self.policy.schedule
             limit = sched[k] if k < len(sched) else 0
             self.store.publish(limit_key(0), str(limit), ttl_s=2 * w)
-            self.store.publish(shed_key(0), str(limit), ttl_s=2 * w)
+            if not self.policy.sheds:
+                self.store.publish(shed_key(0), str(limit), ttl_s=2 * w)
+            elif k < len(self.policy.sheds) and self.policy.sheds[k] is not None:
+                self.store.publish(shed_key(0), str(self.policy.sheds[k]), ttl_s=max(0.5, 2 * w))
             self.limits.append((now, limit))
-            self.shed_tick_once()
+            if not self.policy.sheds:
+                self.shed_tick_once()  # (a replayed controller's sheds wait for the drains' tick, as its own)
             period = w
         else:
             period = 1.0

@@ -16,10 +16,11 @@ by its attainment and batch throughput):
    window in the failing request's life that released batch work, lowers its limit, and
    searches forward again.
 2. The seeds: the greedy schedule, every static limit given (as finished runs, or as limits to
-   run), and any other schedule given (e.g. the controller's limits, window by window). The best
+   run), and any other schedule given (e.g. the controller's run replayed: its limit and shed
+   target, period by period). The best
    one that holds the SLO (attainment within 1 point of run (a)) is the starting point, so the
    oracle is never below a static setting or a schedule it was shown.
-3. Improvement: block by block (8 windows, then 2), raise the block's limits (x1.5, x1.2),
+3. Improvement: block by block (8 s, then 2 s), raise the block's limits (x1.5, x1.2),
    replay from the block's start to the end, and keep the change when the SLO still holds and the
    batch throughput rose. A greedy per-window choice can take so much in one window that later
    windows must give it back (a static limit once beat it that way); this stage finds those.
@@ -48,13 +49,13 @@ from backfill.sim.workload import Trace
 copyreg.pickle(type(threading.Lock()), lambda _: (threading.Lock, ()))
 
 LOOKBACK_S = 6.0  # how far before a failing request's arrival batch work may have hurt it
-IMPROVE_BLOCKS = (8, 2)  # windows per block, one improvement pass each
+IMPROVE_BLOCKS_S = (8.0, 2.0)  # seconds per block, one improvement pass each
 IMPROVE_FACTORS = (1.5, 1.2)
 
 
 @dataclass
 class OracleResult:
-    schedule: list[int] | None  # None: the best run was a seed given as a finished run
+    schedule: Schedule | None  # None: the best run was a seed given as a finished run
     sim: Sim
     tries: int
     backtracks: int
@@ -107,27 +108,29 @@ def attainment(sim: Sim) -> float:
     return sum(sim.meets(x) for x in o) / max(1, len(o))
 
 
-def run_schedule(
-    spec: FleetSpec, trace: Trace, schedule: Sequence[int], *, slo: SloRule, seed: int, window_s: float = 1.0
-) -> Sim:
-    sim = Sim(spec, trace, Policy("schedule", schedule=list(schedule), window_s=window_s), slo=slo, seed=seed)
+def run_schedule(spec: FleetSpec, trace: Trace, schedule: Schedule, *, slo: SloRule, seed: int) -> Sim:
+    sim = Sim(spec, trace, schedule.policy(), slo=slo, seed=seed)
     sim.finish()
     return sim
 
 
-def windows_of(sim: Sim, n: int, window_s: float = 1.0) -> list[int]:
-    """A run's limits as a schedule: per window, the mean of the limits it published there."""
-    sums = [0.0] * n
-    counts = [0] * n
-    for t, v in sim.limits:
-        k = min(n - 1, int(t / window_s))
-        sums[k] += v
-        counts[k] += 1
-    out, last = [], 0
-    for k in range(n):
-        last = round(sums[k] / counts[k]) if counts[k] else last
-        out.append(last)
-    return out
+@dataclass
+class Schedule:
+    """A limit per window, and optionally the shed target published beside it (None in a
+    window: none; no list: shed to the limit), as the `schedule` policy replays it."""
+
+    limits: list[int]
+    window_s: float = 1.0
+    sheds: list[int | None] | None = None
+
+    def policy(self) -> Policy:
+        return Policy("schedule", schedule=list(self.limits), window_s=self.window_s, sheds=list(self.sheds or []))
+
+
+def replay_of(sim: Sim) -> Schedule:
+    """A controller run's decisions as a schedule: its limit and shed target, period by period."""
+    assert sim.loop is not None
+    return Schedule([v for _, v in sim.limits], sim.loop.controller.cfg.period_s, list(sim.sheds))
 
 
 def _bound_to_miss(sim: Sim, allowed: set[tuple[int, int]], since: float, t_min: float) -> list[float]:
@@ -239,65 +242,67 @@ def greedy(
         k += 1
     sim.policy.schedule = schedule
     sim.finish()
-    return OracleResult(schedule, sim, tries, backtracks, len(allowed))
+    return OracleResult(Schedule(schedule, window_s), sim, tries, backtracks, len(allowed))
 
 
 def improve(
     spec: FleetSpec,
     trace: Trace,
-    schedule: list[int],
+    schedule: Schedule,
     sim: Sim,
     *,
     slo: SloRule,
     seed: int,
     floor: float,
     cap: int = 128,
-    window_s: float = 1.0,
     max_tries: int = 60,
     snaps: Snapshots | None = None,
-) -> tuple[list[int], Sim, int, int]:
+) -> tuple[Schedule, Sim, int, int]:
     """Stage 3: block-wise raises, each replayed to the end and kept only if the SLO holds and
     the batch throughput rose. Returns (schedule, run, tries, steps kept)."""
     store = snaps or Snapshots()
-    n = len(schedule)
+    w = schedule.window_s
+    n = len(schedule.limits)
     best_tok = sim.batch_tok_s()
     tries = kept = 0
 
     def snapshots_from(j0: int, base: Sim | None, size: int) -> dict[int, bytes]:
-        s = (
-            base
-            if base is not None
-            else Sim(spec, trace, Policy("schedule", schedule=list(schedule), window_s=window_s), slo=slo, seed=seed)
-        )
-        s.policy.schedule = list(schedule)
+        s = base if base is not None else Sim(spec, trace, schedule.policy(), slo=slo, seed=seed)
+        s.policy = schedule.policy()
         out = {}
         for j in range(j0, n, size):
-            s.run_until(j * window_s - 1e-9)
+            s.run_until(j * w - 1e-9)
             out[j] = store.dumps(s)
         return out
 
-    for size in IMPROVE_BLOCKS:
+    def raised(j: int, size: int, f: float) -> Schedule:
+        limits = list(schedule.limits)
+        sheds = list(schedule.sheds) if schedule.sheds is not None else None
+        for m in range(j, min(n, j + size)):
+            limits[m] = min(cap, max(limits[m] + 1, math.ceil(limits[m] * f)))
+            if sheds is not None and sheds[m] is not None:
+                sheds[m] = min(limits[m], math.ceil(sheds[m] * f))
+        return Schedule(limits, w, sheds)
+
+    for block_s in IMPROVE_BLOCKS_S:
+        size = max(1, round(block_s / w))
         snaps_j = snapshots_from(0, None, size)
         for j in range(0, n, size):
-            block = range(j, min(n, j + size))
-            if all(schedule[m] >= cap for m in block):
+            if all(v >= cap for v in schedule.limits[j : j + size]):
                 continue
             for f in IMPROVE_FACTORS:
                 if tries >= max_tries:
                     return schedule, sim, tries, kept
-                trial = list(schedule)
-                for m in block:
-                    trial[m] = min(cap, max(schedule[m] + 1, math.ceil(schedule[m] * f)))
+                trial = raised(j, size, f)
                 tries += 1
                 s = store.loads(snaps_j[j])
-                s.policy.schedule = trial
+                s.policy = trial.policy()
                 s.finish()
                 if s.batch_tok_s() > best_tok and attainment(s) >= floor:
                     schedule, sim, best_tok = trial, s, s.batch_tok_s()
                     kept += 1
                     if j + size < n:
-                        base = store.loads(snaps_j[j])
-                        snaps_j.update(snapshots_from(j, base, size))
+                        snaps_j.update(snapshots_from(j, store.loads(snaps_j[j]), size))
                     break
     return schedule, sim, tries, kept
 
@@ -314,7 +319,7 @@ def search(
     max_backtracks: int = 400,
     runs: Sequence[Sim] = (),
     statics: Sequence[int] = (),
-    schedules: Sequence[list[int]] = (),
+    schedules: Sequence[Schedule] = (),
     floor: float | None = None,
     improve_tries: int = 60,
 ) -> OracleResult:
@@ -332,24 +337,26 @@ def search(
         max_backtracks=max_backtracks, snaps=snaps,
     )  # fmt: skip
     tries = g.tries
-    seeds: list[tuple[str, list[int] | None, Sim]] = [("greedy", g.schedule, g.sim)]
+    assert g.schedule is not None
+    seeds: list[tuple[str, Schedule | None, Sim]] = [("greedy", g.schedule, g.sim)]
     for r in runs:
-        sched = [r.policy.limit] * n if r.policy.kind == "static" else None
+        sched = Schedule([r.policy.limit] * n, window_s) if r.policy.kind == "static" else None
         seeds.append((r.policy.label, sched, r))
     done = {r.policy.limit for r in runs if r.policy.kind == "static"}
     for limit in statics:
         if limit not in done:
             tries += 1
-            seeds.append((f"s{limit}", [limit] * n, run_schedule(spec, trace, [limit] * n, slo=slo, seed=seed)))
+            sched = Schedule([limit] * n, window_s)
+            seeds.append((f"s{limit}", sched, run_schedule(spec, trace, sched, slo=slo, seed=seed)))
     for i, sched in enumerate(schedules):
         tries += 1
-        seeds.append((f"seed{i}", list(sched), run_schedule(spec, trace, sched, slo=slo, seed=seed)))
+        seeds.append((f"seed{i}", sched, run_schedule(spec, trace, sched, slo=slo, seed=seed)))
     holding = [x for x in seeds if attainment(x[2]) >= floor] or seeds[:1]
     source, sched0, best = max(holding, key=lambda x: x[2].batch_tok_s())
     kept = 0
     if sched0 is not None and improve_tries > 0:
         sched0, best, t, kept = improve(
-            spec, trace, sched0, best, slo=slo, seed=seed, floor=floor, cap=cap, window_s=window_s,
+            spec, trace, sched0, best, slo=slo, seed=seed, floor=floor, cap=cap,
             max_tries=improve_tries, snaps=snaps,
         )  # fmt: skip
         tries += t

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from backfill.sim.control import Policy, Sim, SloRule
 from backfill.sim.engine import FleetSpec
-from backfill.sim.oracle import Snapshots, attainment, search, windows_of
+from backfill.sim.oracle import Snapshots, attainment, replay_of, search
 from backfill.sim.workload import Trace
 from bench.harvest_results import pct
 from bench.sim_harvest import agent_trace
@@ -48,7 +48,7 @@ def test_nothing_tried_beats_the_oracle() -> None:
             seed=0,
             allowed=allowed,
             runs=statics,
-            schedules=[windows_of(c, 30)],
+            schedules=[replay_of(c)],
             floor=floor,
             improve_tries=16,
         )
