@@ -280,8 +280,9 @@ def improve(
         sheds = list(schedule.sheds) if schedule.sheds is not None else None
         for m in range(j, min(n, j + size)):
             limits[m] = min(cap, max(limits[m] + 1, math.ceil(limits[m] * f)))
-            if sheds is not None and sheds[m] is not None:
-                sheds[m] = min(limits[m], math.ceil(sheds[m] * f))
+            old = sheds[m] if sheds is not None else None
+            if sheds is not None and old is not None:
+                sheds[m] = min(limits[m], math.ceil(old * f))
         return Schedule(limits, w, sheds)
 
     for block_s in IMPROVE_BLOCKS_S:
