@@ -151,6 +151,13 @@ def _die_with_parent(libc: ctypes.CDLL | None) -> Callable[[], None]:
     return in_child
 
 
+def _signal(p: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.kill(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
     try:
         os.killpg(p.pid, sig)  # pgid == pid: each component leads a session of its own
@@ -187,7 +194,11 @@ def _components(
             stopping.begin()
     finally:
         for p in procs.values():
-            _signal_group(p, signal.SIGTERM)  # the group: a worker's pool hears it too
+            # The process alone, not its group: a worker's main process tells its pool children
+            # itself (`scheduler.tasks`), then closes its pool. SIGTERM to the group as well made
+            # billiard's children take a second SIGTERM from their main process and leave with
+            # exit code 70, which Celery logs at ERROR for every child.
+            _signal(p, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
         for p in procs.values():
             try:

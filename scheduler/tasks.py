@@ -9,6 +9,13 @@ request in flight, so it is told: a pool child that gets SIGTERM (sent to the wh
 group) or STOP_SIGNAL (passed on by the main process when only it was signalled) sets
 `SHUTDOWN`, and the drain running there stops claiming at once and ends within `drain_grace_s`.
 An idle child exits on SIGTERM, as before; a second SIGTERM ends a busy child at once.
+
+billiard installs its own handler for every termination signal right after the child's
+initializer (`worker_process_init`) has run, unless the signal is ignored then; so the
+initializer only ignores STOP_SIGNAL, and a child's handlers are installed when it starts a
+task. An idle child thus sits out STOP_SIGNAL and leaves when its pool closes, cleanly (it used
+to take STOP_SIGNAL and then its pool's SIGTERM as two termination signals, and leave with
+billiard's exit code 70, which Celery logs at ERROR).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from backfill.jobs.models import TERMINAL_STATUSES, Batch, BatchStatus
 from backfill.jobs.output import finalize as output
 from backfill.jobs.validation import outcome as validation
 from backfill.jobs.validation.scan import Limits
-from backfill.scheduler.drain.dispatcher import Dispatcher
+from backfill.scheduler.drain.dispatcher import DRAIN_POOL, Dispatcher
 from backfill.scheduler.fleet.client import FleetClient
 from backfill.scheduler.metrics import timed
 from backfill.scheduler.runtime import get_admission, make_escalation, make_planner, make_routes
@@ -54,6 +61,9 @@ _running = {"tasks": 0}
 @task_prerun.connect
 def _task_started(**_: object) -> None:
     _running["tasks"] += 1
+    if signal.getsignal(signal.SIGTERM) is not _on_sigterm:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        signal.signal(STOP_SIGNAL, _on_stop_signal)
 
 
 @task_postrun.connect
@@ -80,9 +90,8 @@ def _on_stop_signal(signum: int, frame: FrameType | None) -> None:
 
 
 @worker_process_init.connect
-def _catch_sigterm_in_pool_child(**_: object) -> None:
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    signal.signal(STOP_SIGNAL, _on_stop_signal)
+def _ignore_stop_signal_while_idle(**_: object) -> None:
+    signal.signal(STOP_SIGNAL, signal.SIG_IGN)  # (billiard leaves an ignored signal alone)
 
 
 @worker_shutting_down.connect
@@ -177,6 +186,11 @@ def validate_batch(batch_id: str) -> str:
 
 def _start_drain(batch_id: str) -> None:
     try:
+        # Every slot held: the drains running release the batch themselves, within a look at the
+        # batches (a lingering one looks every few tens of ms); one more would only hold a worker
+        # process while it waits for a slot, which finalization may need.
+        if get_lease_store().count(DRAIN_POOL) >= get_settings().drains:
+            return
         send_task(TaskName.drain)
     except Exception:  # the broker only nudges: the scheduler's tick starts drains too
         log.warning("could not start a drain for batch %s; the scheduler will", batch_id, exc_info=True)

@@ -221,3 +221,26 @@ def test_a_worker_told_twice_to_stop_ends_within_its_grace_and_an_orphan_holds_t
             except psutil.Error:
                 pass
         _kill_tree(tree)
+
+
+def test_one_ctrl_c_stops_everything_with_nothing_logged_at_error(tmp_path: Path) -> None:
+    """What an operator sees on Ctrl-C: every process gone, and no component's log with a line
+    at ERROR (Celery logged `ForkPoolWorker ... exited with 'exitcode 70'` for every pool child:
+    they took a stop signal from `up`'s group SIGTERM and another from their main process)."""
+    home = tmp_path / "home"
+    up = Up(tmp_path, home, "ctrl-c")
+    try:
+        up.wait_up()
+        tree = up.tree()
+        up.proc.send_signal(signal.SIGINT)
+        up.proc.wait(timeout=STOP_GRACE_S + STOP_MARGIN_S)
+        assert_gone(tree)
+    finally:
+        _kill_tree(up.tree() if up.proc.poll() is None else [])
+    errors = [
+        f"{log.name}: {line}"
+        for log in sorted((home / "logs").glob("*.log"))
+        for line in log.read_text(errors="replace").splitlines()
+        if re.search(r"\bERROR\b", line)
+    ]
+    assert errors == [], errors
