@@ -8,8 +8,9 @@ the processes that wrote them are gone), the components' logs (`logs/api.log`, .
 gets none of their lines, so nothing floods it) and the simulated fleet's run directory.
 
 Stopping: Ctrl-C (or SIGTERM) stops the components, each in a process group of its own (so the
-terminal's Ctrl-C reaches `up` alone, and a group signal reaches a worker's pool): SIGTERM, the
-worker's drains get their grace, then SIGKILL of whatever group is left. Signals that arrive
+terminal's Ctrl-C reaches `up` alone): SIGTERM to each component's process (a worker's main
+process tells its pool), the worker's drains get their grace, then SIGKILL of whatever group is
+left. Signals that arrive
 meanwhile never cut the stop short: the first says what it waits for, the second SIGKILLs every
 component at once; that holds however the stop began (a signal, a component that exited, a
 start-up that failed). A component whose `up` was SIGKILLed gets SIGTERM from the kernel (parent
