@@ -85,6 +85,7 @@ class FaultProxy:
         self._rules: list[_Rule] = []
         self._lock = threading.Lock()
         self._stats: Counter[str] = Counter()
+        self._models: Counter[str] = Counter()  # requests per model named in their body
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: asyncio.Server | None = None
@@ -116,11 +117,16 @@ class FaultProxy:
     @property
     def stats(self) -> dict[str, int]:
         """Requests seen per outcome: one key per fault; `forwarded` (requests that could meet a
-        fault, passed on unharmed), `passed` (other methods), `upstream_failed`; and
-        `model:NAME` per request body naming that model (what reached this deployment, whatever
-        its outcome)."""
+        fault, passed on unharmed), `passed` (other methods), `upstream_failed`."""
         with self._lock:
             return dict(self._stats)
+
+    @property
+    def by_model(self) -> dict[str, int]:
+        """Requests seen per `model` their JSON body names (what reached this deployment,
+        whatever its outcome)."""
+        with self._lock:
+            return dict(self._models)
 
     def __enter__(self) -> FaultProxy:
         return self.start()
@@ -195,7 +201,8 @@ class FaultProxy:
                 method = head.method.decode()
                 model = _model_of(body)
                 if model is not None:
-                    self._count(f"model:{model}")
+                    with self._lock:
+                        self._models[model] += 1
                 rule = self._take(method)
                 if rule is not None:
                     self._count(rule.fault.value)

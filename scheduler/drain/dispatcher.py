@@ -364,16 +364,12 @@ class Dispatcher:
         models with work left, on the deployments serving them (a model without work takes none,
         so the claims never wait on it): all it wants while its circuit is closed; else one (to
         wait for the probe with) unless it has a line there already."""
-        try:
-            states = await self.fleet.states()
-        except (RedisError, OSError):  # Redis away: the breakers decide locally when a line is sent
-            states = [BreakerState.closed] * self.fleet.deployments
         pools = self.routes.pools(range(self.admission.deployments), self._models)
-        return {
-            p: n if states[p.deployment] is BreakerState.closed else (0 if self._on[p] else 1)
-            for p in pools
-            if p.deployment < len(states)
-        }
+        try:
+            states = await self.fleet.pool_states(pools)  # a model's pool has a circuit of its own
+        except (RedisError, OSError):  # Redis away: the breakers decide locally when a line is sent
+            states = dict.fromkeys(pools, BreakerState.closed)
+        return {p: n if states[p] is BreakerState.closed else (0 if self._on[p] else 1) for p in pools}
 
     def _lease_store_down(self, what: str) -> None:  # logs an outage's first failure only
         if self._leases_down_since is None:

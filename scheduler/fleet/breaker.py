@@ -72,6 +72,7 @@ class Permit:
 
 class Breaker(Protocol):
     name: str
+    policy: BreakerPolicy
 
     async def allow(self) -> Permit: ...
 

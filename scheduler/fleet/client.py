@@ -29,7 +29,7 @@ import redis.asyncio
 
 from backfill.jobs.errors import error_bytes
 from backfill.scheduler.fleet.breaker import Breaker, BreakerPolicy, BreakerState, Permit, SharedBreaker, local_breaker
-from backfill.scheduler.fleet.routing import FleetRoutes
+from backfill.scheduler.fleet.routing import FleetRoutes, Pool
 
 log = logging.getLogger("backfill.fleet")
 
@@ -112,7 +112,7 @@ class FleetClient:
         # Which deployments serve which model: a call not pinned to a deployment fails over only
         # among those serving its body's model (None: every deployment serves every model).
         self.routes = routes
-        self._asking: dict[int, asyncio.Future[Permit]] = {}  # a breaker's question in flight
+        self._asking: dict[tuple[int, str | None], asyncio.Future[Permit]] = {}  # a breaker's question in flight
         self._timeout_s = timeout_s
         self._body_idle_s = min(body_idle_timeout_s, timeout_s)
         self._open_wait_s = open_wait_s
@@ -132,6 +132,9 @@ class FleetClient:
             for i, url in enumerate(self._urls)
             for p in [policy if i < len(urls) else overflow_policy]
         ]
+        # A deployment serving several models has a breaker per model as well (made when first
+        # needed, named `url#model`): one model's failing workers open its own circuit only.
+        self._model_breakers: dict[tuple[int, str], Breaker] = {}
         # Several small pools rather than one large one: httpcore looks through every pooled
         # connection on each request (to drop expired ones), so a request's cost grows with the
         # pool; spread over POOL_SHARDS clients taken in turn, each pool stays small.
@@ -154,6 +157,24 @@ class FleetClient:
         """Each deployment's circuit, as every worker sees it."""
         return [await b.state() for b in self.breakers]
 
+    def breaker(self, i: int, model: str | None = None) -> Breaker:
+        """The breaker a call of `model` to deployment i answers to: its model's where the
+        deployment serves several (`FleetRoutes.pool`), else the deployment's."""
+        pool = self.routes.pool(i, model) if self.routes is not None and i < len(self.routes.urls) else Pool(i)
+        if pool.model is None:
+            return self.breakers[i]
+        key = (i, pool.model)
+        made = self._model_breakers.get(key)
+        if made is None:
+            name, policy = f"{self._urls[i]}#{pool.model}", self.breakers[i].policy
+            made = SharedBreaker(self._redis, name, policy) if self._redis is not None else local_breaker(name, policy)
+            self._model_breakers[key] = made
+        return made
+
+    async def pool_states(self, pools: list[Pool]) -> dict[Pool, BreakerState]:
+        """Each pool's circuit: a model's pool on a deployment serving several has its own."""
+        return {p: await self.breaker(p.deployment, p.model).state() for p in pools}
+
     async def post(self, endpoint: str, body: dict[str, Any], *, deployment: int | None = None) -> FleetReply:
         """POST a batch line's body to the same path on a deployment (`/v1/...` under its base URL);
         with `deployment`, on that one only."""
@@ -169,8 +190,9 @@ class FleetClient:
             model = body.get("model")
             refused |= {i for i in everyone if not self.routes.serves(i, model if isinstance(model, str) else None)}
         last: FleetReply | None = None
+        model = body.get("model") if isinstance(body.get("model"), str) else None
         while True:
-            picked, wait_s = await self._pick(skip=refused)
+            picked, wait_s = await self._pick(skip=refused, model=model)
             if picked is None:
                 left = give_up_at - time.monotonic()
                 if len(refused) == len(self._urls) or left <= 0:
@@ -183,13 +205,13 @@ class FleetClient:
                 continue
             i, permit = picked
             reply, connected = await self._exchange(self._urls[i], path, payload, self._auth.get(i))
-            await self._report(i, permit, reply)
+            await self._report(i, permit, reply, model)
             if connected or deployment is not None:
                 return reply
             refused.add(i)
             last = reply
 
-    async def _pick(self, *, skip: set[int]) -> tuple[tuple[int, Permit] | None, float]:
+    async def _pick(self, *, skip: set[int], model: str | None = None) -> tuple[tuple[int, Permit] | None, float]:
         """The next deployment in turn whose breaker lets a call through, else how long until one might."""
         n = len(self._urls)
         start = next(self._turn) % n
@@ -198,21 +220,23 @@ class FleetClient:
             i = (start + k) % n
             if i in skip:
                 continue
-            permit = await self._allow(i)
+            permit = await self._allow(i, model)
             if permit.allowed:
                 return (i, permit), 0.0
             soonest = min(soonest, permit.retry_after_s)
         return None, soonest
 
-    async def _allow(self, i: int) -> Permit:
+    async def _allow(self, i: int, model: str | None = None) -> Permit:
         """Ask deployment i's breaker, sharing a question already in flight: a claim launches
         its lines at once, and each would otherwise ask Redis the same thing in the same
         millisecond. Only a plain pass is shared (the circuit closed: it was read while this
         call was already waiting, as if asked just before); a probe is one caller's alone, and a
         refusal is asked again, so the half-open state still lets one call through at a time."""
+        breaker = self.breaker(i, model)
+        key = (i, model if breaker is not self.breakers[i] else None)
         if self._redis is None:  # a breaker in this process answers at once: nothing to share
-            return await self.breakers[i].allow()
-        shared = self._asking.get(i)
+            return await breaker.allow()
+        shared = self._asking.get(key)
         if shared is not None:
             try:
                 # Shielded: a caller shed meanwhile must not cancel the question for the others.
@@ -221,25 +245,26 @@ class FleetClient:
                 permit = Permit(False)
             if permit.allowed and not permit.probe:
                 return permit
-        asked = asyncio.ensure_future(self.breakers[i].allow())
+        asked = asyncio.ensure_future(breaker.allow())
         asked.add_done_callback(_seen)  # its failure is retrieved even if every asker was shed
-        self._asking[i] = asked
+        self._asking[key] = asked
         try:
             return await asyncio.shield(asked)
         finally:
-            if self._asking.get(i) is asked:
-                del self._asking[i]
+            if self._asking.get(key) is asked:
+                del self._asking[key]
 
-    async def _report(self, i: int, permit: Permit, reply: FleetReply) -> None:
+    async def _report(self, i: int, permit: Permit, reply: FleetReply, model: str | None = None) -> None:
         # A fleet deployment fails by its server errors (its 4xx judge the line); an overflow
         # deployment by any refusal: its auth, its model list and its rate limit are its own.
         overflow = i >= self.fleet_deployments
         failed = (reply.transient and reply.status_code >= 500) or (overflow and reply.status_code >= 400)
-        changed = await self.breakers[i].record(ok=not failed, probe=permit.probe)
+        breaker = self.breaker(i, model)
+        changed = await breaker.record(ok=not failed, probe=permit.probe)
         if changed is BreakerState.open:
-            log.warning("fleet deployment %s: circuit opened (last reply %d)", self._urls[i], reply.status_code)
+            log.warning("fleet deployment %s: circuit opened (last reply %d)", breaker.name, reply.status_code)
         elif changed is BreakerState.closed:
-            log.info("fleet deployment %s: circuit closed, the probe succeeded", self._urls[i])
+            log.info("fleet deployment %s: circuit closed, the probe succeeded", breaker.name)
 
     async def _exchange(
         self, base: str, path: str, payload: bytes, auth: dict[str, str] | None = None
@@ -311,7 +336,7 @@ class FleetClient:
         return FleetReply(status, body, None, time.monotonic() - started, transient, deployment, sent)
 
     async def aclose(self) -> None:
-        for breaker in self.breakers:
+        for breaker in [*self.breakers, *self._model_breakers.values()]:
             await breaker.flush()
         for client in self._clients:
             await client.aclose()

@@ -96,7 +96,7 @@ def test_both_models_listed(mclient: Any) -> None:
 def test_lines_go_only_to_deployments_serving_their_model(
     mclient: Any, proxy_x: FaultProxy, proxy_y: FaultProxy
 ) -> None:
-    before_x, before_y = proxy_x.stats, proxy_y.stats
+    before_x, before_y = proxy_x.by_model, proxy_y.by_model
     large = _batch(mclient, LARGE_MODEL, 40, "large")
     small = _batch(mclient, MODEL, 40, "small")
     for b, model in ((large, LARGE_MODEL), (small, MODEL)):
@@ -106,7 +106,7 @@ def test_lines_go_only_to_deployments_serving_their_model(
         assert {line["response"]["body"]["model"] for line in read_lines(mclient, done.output_file_id)} == {model}
 
     def seen(proxy: FaultProxy, before: dict[str, int], model: str) -> int:
-        return proxy.stats.get(f"model:{model}", 0) - before.get(f"model:{model}", 0)
+        return proxy.by_model.get(model, 0) - before.get(model, 0)
 
     # Deployment Y does not serve the large model: not one of its lines reached it.
     assert seen(proxy_y, before_y, LARGE_MODEL) == 0
@@ -158,7 +158,7 @@ def test_a_saturated_model_never_holds_back_the_others_batch(
         metrics = httpx.get(models_stack.base_url.removesuffix("/v1") + "/metrics", timeout=10).text
     assert both_full, f"the small model's pool never ran at its full limit beside the large one's: {seen}"
     for b, n in zip(batches, (48, 60), strict=True):
-        done = mclient.batches.retrieve(b.id)
+        done = wait_for(mclient, b.id, {"completed", "failed", "expired"}, timeout_s=120)
         assert done.status == "completed" and done.request_counts.completed == n, done
     assert (
         f'backfill_capacity_pool_limit{{deployment="{proxy_x.base_url}",model="{LARGE_MODEL}",pool="fleet/{LARGE_MODEL}"}} {float(FIXED_LIMIT)}'

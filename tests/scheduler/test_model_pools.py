@@ -137,3 +137,34 @@ def test_a_models_frontend_series_leave_the_others_out() -> None:
         f'dynamo_frontend_inflight_requests{{model="{B}"}} 1',
         "process_cpu_seconds_total 3",
     ]
+
+
+def test_a_failing_model_opens_its_own_circuit_only() -> None:
+    """On a deployment serving two models each has a breaker: A's workers failing open A's
+    circuit, and B's lines still pass (the deployment's own breaker, for one-model deployments,
+    is untouched)."""
+    from backfill.scheduler.fleet.breaker import BreakerPolicy, BreakerState
+    from backfill.scheduler.fleet.client import FleetClient
+
+    x, y = f"http://127.0.0.1:9/{secrets.token_hex(4)}/v1", f"http://127.0.0.1:9/{secrets.token_hex(4)}/v1"
+    routes = FleetRoutes([x, y], {x: frozenset({A, B}), y: frozenset({A})}.get)
+    routes.refresh()
+
+    async def go() -> None:
+        fleet = FleetClient([x, y], timeout_s=5, routes=routes, breaker_policy=BreakerPolicy(min_failures=3))
+        try:
+            assert fleet.breaker(0, A) is not fleet.breaker(0, B) and fleet.breaker(1, A) is fleet.breakers[1]
+            for _ in range(5):
+                await fleet.breaker(0, A).record(ok=False)
+            states = await fleet.pool_states([Pool(0, A), Pool(0, B), Pool(1)])
+            assert states == {
+                Pool(0, A): BreakerState.open,
+                Pool(0, B): BreakerState.closed,
+                Pool(1): BreakerState.closed,
+            }
+            assert not (await fleet._allow(0, A)).allowed and (await fleet._allow(0, B)).allowed
+            assert await fleet.states() == [BreakerState.closed, BreakerState.closed]
+        finally:
+            await fleet.aclose()
+
+    asyncio.run(go())
