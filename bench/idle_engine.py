@@ -137,10 +137,12 @@ def _tree(pid: int) -> list[psutil.Process]:
 
 
 def _is_core(p: psutil.Process) -> bool:
+    """vLLM's engine core (the scheduler) or its worker (the model), not the API server."""
     try:
-        return "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())
+        title = p.name() + " " + " ".join(p.cmdline())
     except psutil.Error:
         return False
+    return "EngineCore" in title or "VLLM::Worker" in title
 
 
 def _hist_means(text: str, names: list[str]) -> dict[str, tuple[float, float]]:
@@ -280,7 +282,7 @@ def run_one(server: Any, limit: int, args: argparse.Namespace) -> None:
             return lambda: _tree(stack.procs[name].pid)
 
         groups: dict[str, Callable[[], list[psutil.Process]]] = {
-            "vllm engine core": lambda: [p for p in engine_tree() if _is_core(p)],
+            "vllm engine (core, worker)": lambda: [p for p in engine_tree() if _is_core(p)],
             "vllm api server": lambda: [p for p in engine_tree() if not _is_core(p)],
             "api": tree_of("api"),
             "worker": tree_of("worker"),
