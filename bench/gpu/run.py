@@ -24,7 +24,7 @@ sequences; a backfill phase also its upload, `batches.create` to the first reque
 engine, and last reply to `completed` (polled every 50 ms). The JSON of it all goes to
 `--out` (gpu_bench.json) beside the engine's and backfill's logs.
 
-    python -m bench.gpu.run --out $OUT                                # the GPU run
+    python -m bench.gpu.run --out results                            # the GPU run
     python -m bench.gpu.run --shape tiny --device cpu --lines 24 \\
         --concurrency 4 --prompt-tokens 32 --output-tokens 8         # the CPU smoke run
 
