@@ -54,6 +54,8 @@ log = logging.getLogger("backfill.dispatch")
 CLAIM_GROUP = 32
 # How long a drain waits for a drain slot, and how often it asks (`Dispatcher.run`).
 SLOT_WAIT_S, SLOT_POLL_S = 1.0, 0.05
+# How long a drain with nothing to do stays, and how often it looks for work meanwhile (`Dispatcher._idle`).
+IDLE_LINGER_S, IDLE_POLL_S = 2.0, 0.05
 DRAIN_POOL = "drains"
 UNSHEDDABLE = -1  # the shedding key of escalated calls: no controller's shed target aborts them
 
@@ -115,6 +117,7 @@ class Dispatcher:
         self._on: Counter[Pool] = Counter()  # this drain's lines in hand, per pool
         self._models: set[str | None] = {None}  # the models with work left, as last planned
         self._stop_seen_at: float | None = None
+        self._idle_since: float | None = None  # since when nothing was claimed or in flight
         self._leases_down_since: float | None = None
         self._claim_in_doubt = False  # a claim failed on the connection: it may have committed
         self._abort_all = False
@@ -207,8 +210,30 @@ class Dispatcher:
         self._held.pop(slot[0], None)
         return True
 
+    async def _idle(self) -> bool:
+        """A round that claimed nothing: True (the drain ends) once it has had nothing claimed
+        and nothing in flight for IDLE_LINGER_S, else after a moment to look again.
+
+        An idle drain lingers, looking often, because the next small batch usually follows soon
+        (an RL submitter's next rollout, an eval sweep's next step): it is released at once by a
+        drain already running, not after another drain's start. Each look is one read of the
+        batches with work left (the planner looks again rather than at its cached view)."""
+        if (look_again := getattr(self.planner, "look_again", None)) is not None:
+            look_again()
+        if self._inflight:
+            # One finishing may free lines that wait for it (an agent trace's next turn, KV budget).
+            self._idle_since = None
+            await asyncio.sleep(0.1)
+            return False
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        if now - self._idle_since >= IDLE_LINGER_S:
+            return True  # the scheduler, or the next batch's validation, starts another drain
+        await asyncio.sleep(IDLE_POLL_S)
+        return False
+
     async def _release_loop(self, deadline: float) -> None:
-        idle_rounds = 0
         while time.monotonic() < deadline and not self._stopping():
             if not self.recorder.db_ok.is_set():
                 await self.recorder.wait_for_db(until=lambda: time.monotonic() >= deadline or self._stopping())
@@ -224,10 +249,8 @@ class Dispatcher:
                 self.recorder.unreachable(exc)
                 continue
             if not self._models:  # no batch has work: as a claim that found none
-                idle_rounds += 1
-                if idle_rounds >= 3 and not self._inflight:
+                if await self._idle():
                     return
-                await asyncio.sleep(min(0.1 * idle_rounds, 0.1 if self._inflight else 1.0))
                 continue
             try:
                 leases = await self.admission.acquire_spread(
@@ -256,17 +279,10 @@ class Dispatcher:
                 continue
             if not claimed:
                 await self._give_back(spare)
-                idle_rounds += 1
-                # The planner's view may predate a batch that is ready now (`Planner.look_again`).
-                if (look_again := getattr(self.planner, "look_again", None)) is not None:
-                    look_again()
-                if idle_rounds >= 3 and not self._inflight:
-                    return  # nothing to do: the scheduler starts another drain when work arrives
-                # With requests in flight, one finishing may free lines that wait for it (an
-                # agent trace's next turn, KV budget): look again soon.
-                await asyncio.sleep(min(0.1 * idle_rounds, 0.1 if self._inflight else 1.0))
+                if await self._idle():
+                    return
                 continue
-            idle_rounds = 0
+            self._idle_since = None
             await self._give_back(spare)
             if not await self._launch(claimed, leases):
                 await asyncio.sleep(1.0)
