@@ -17,16 +17,24 @@ sorts at most a page of rows whatever plan the statistics give. The state is tes
 (a subquery with OFFSET 0, which the planner keeps as written): given to the scan, stale
 statistics right after a large run led the planner to the (batch_id, state, ...) indexes and to
 reading and sorting every row of the batch for each page.
+
+On Postgres the database writes each page's lines (`_pg_page_sql`: one aggregate row a page, no
+Python per line), PG_READERS pages at once on connections of their own, so the next pages are
+formatted while one is handed on. The bytes are `jobs.output.format.format_lines`'s, which
+writes them everywhere else (SQLite, the embedded mode); tests/jobs/test_output.py holds the
+two to the same bytes for hostile values.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Generator, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, Integer, LargeBinary, bindparam, cast, func, select
+from sqlalchemy import ColumnElement, Integer, LargeBinary, TextClause, bindparam, cast, func, select, text
 from sqlalchemy.orm import Session
 
 from backfill.jobs.models import BatchRequest, RequestState
@@ -36,6 +44,9 @@ from backfill.storage.db import UnitOfWork
 PAGE_BYTES = 8 * 1024 * 1024  # a page's answers: what a reader holds, a few times over, at once
 ROWS_PER_FETCH = 5000  # lines a page at most, and the lines whose sizes one plan reads
 LINE_OVERHEAD = 192  # a line's bytes beside its answer and custom_id (ids, status, error body)
+# Pages Postgres formats at once (one backend each), and pages read ahead of the one handed on:
+# what the reader holds is at most PG_AHEAD + 1 pages.
+PG_READERS, PG_AHEAD = 2, 3
 
 # The two files one read of the rows writes at once: the states of the lines in each.
 Files = tuple[Sequence[str], Sequence[str]]
@@ -63,19 +74,62 @@ def result_lines(
 
 def pages(units: UnitOfWork, batch_id: str, files: Files, *, pending_as: RequestState) -> Generator[Page, None, None]:
     """Every page of the batch's rows in input order, each read once for both `files`."""
+    with units() as session:
+        postgres = session.get_bind().dialect.name == "postgresql"
+        sizes = session.execute(_sizes_query(session, batch_id), {"start": 0}).all()
+    ranges = _page_ranges(units, batch_id, sizes)
+    if postgres:
+        yield from _pg_pages(units, ranges, _pg_params(batch_id, files, pending_as))
+        return
     errors = error_bodies(pending_as)
     query = _page_query(batch_id, files)
+    for start, end in ranges:
+        with units() as session:
+            rows = session.execute(query, {"start": start, "end": end}).all()
+        yield _split_page(rows, files, errors)  # (the transaction has ended)
+
+
+def _page_ranges(units: UnitOfWork, batch_id: str, sizes: Sequence[Any]) -> Iterator[tuple[int, int]]:
+    """Each page as (after this line, up to this one), from the first lines' `sizes` on."""
     start = 0
     while True:
-        with units() as session:
-            sizes = session.execute(_sizes_query(session, batch_id), {"start": start}).all()
         for end in page_ends(sizes):
-            with units() as session:
-                rows = session.execute(query, {"start": start, "end": end}).all()
+            yield start, end
             start = end
-            yield _split_page(rows, files, errors)  # (the transaction has ended)
         if len(sizes) < ROWS_PER_FETCH:
             return
+        with units() as session:
+            sizes = session.execute(_sizes_query(session, batch_id), {"start": start}).all()
+
+
+def _pg_pages(
+    units: UnitOfWork, ranges: Iterator[tuple[int, int]], params: dict[str, Any]
+) -> Generator[Page, None, None]:
+    """The pages in order, formatted by Postgres PG_READERS at a time, each in a transaction of
+    its own (the lines of a finalizing batch are settled: no shared snapshot is needed)."""
+
+    def read(start: int, end: int) -> Page:
+        with units() as session:
+            row = session.execute(_PG_PAGE, {**params, "start": start, "end": end}).one()
+        first, second, n_first, n_second, *usage = row
+        return Page(
+            lines=((first or "").encode(), (second or "").encode()),
+            counts=(int(n_first), int(n_second)),
+            usage=(int(usage[0]), int(usage[1]), int(usage[2]), int(usage[3])),
+        )
+
+    with ThreadPoolExecutor(PG_READERS, thread_name_prefix="finalize-read") as pool:
+        ahead: deque[Future[Page]] = deque()
+        try:
+            while True:
+                while len(ahead) < PG_AHEAD and (page := next(ranges, None)) is not None:
+                    ahead.append(pool.submit(read, *page))
+                if not ahead:
+                    return
+                yield ahead.popleft().result()
+        finally:
+            for future in ahead:  # a reader that stopped early: read no further than what runs
+                future.cancel()
 
 
 def page_ends(sizes: Sequence[Any]) -> Iterator[int]:
@@ -118,6 +172,62 @@ def _page_query(batch_id: str, files: Files) -> Any:
         .subquery()
     )
     return select(page_rows).where(page_rows.c.state.in_([*files[0], *files[1]])).order_by(page_rows.c.line)
+
+
+def _pg_params(batch_id: str, files: Files, pending_as: RequestState) -> dict[str, Any]:
+    """`_PG_PAGE`'s parameters but the page's range; an error line's tail (all of it after its
+    custom_id) is one parameter a state."""
+    tails = {
+        f"tail_{state}": f',"response":null,"error":{body.decode()}}}\n'
+        for state, body in error_bodies(pending_as).items()
+    }
+    answer_tail = '},"error":null}\n'  # (a parameter: text() would take ":null" in the SQL for one)
+    return {
+        "batch_id": batch_id,
+        "states_0": list(files[0]),
+        "states_1": list(files[1]),
+        "answer_tail": answer_tail,
+        **tails,
+    }
+
+
+def _pg_page_sql() -> TextClause:
+    """One page read once for both files: each file's lines as one string (`format_lines`'s bytes:
+    `to_json` of a text escapes as orjson does), each file's line count and the page's usage.
+    The database's time per line is what bounds finalization, so a line is built with few
+    concatenations: an error line's tail is one parameter, a line id with no result id needs no
+    escaping, each file's test is made once a row (in the subquery), and FILTER is tested before
+    an aggregate's argument, so a line's text is built only for the file it goes to."""
+    tails = " ".join(f"WHEN '{state}' THEN :tail_{state}" for state in error_bodies(RequestState.expired))
+    line = f"""
+        CASE WHEN coalesce(result_id, '') = '' THEN '{{"id":"batch_req_' || CAST(line AS text) || '","custom_id":'
+            ELSE '{{"id":' || CAST(to_json('batch_req_' || result_id) AS text) || ',"custom_id":' END
+        || coalesce(CAST(to_json(custom_id) AS text), 'null')
+        || CASE state {tails}
+            ELSE ',"response":{{"status_code":' || coalesce(CAST(status_code AS text), 'null')
+                || ',"request_id":' || CAST(to_json(coalesce(request_id, '')) AS text)
+                || ',"body":' || coalesce(nullif(response_body, ''), 'null') || :answer_tail
+            END"""
+    usage = ", ".join(f"coalesce(sum({c}) FILTER (WHERE succeeded), 0)" for c in USAGE_COLUMNS)
+    return text(f"""
+        SELECT
+            string_agg({line}, '' ORDER BY line) FILTER (WHERE in_0),
+            string_agg({line}, '' ORDER BY line) FILTER (WHERE in_1),
+            count(*) FILTER (WHERE in_0),
+            count(*) FILTER (WHERE in_1),
+            {usage}
+        FROM (
+            SELECT line, result_id, custom_id, state, status_code, request_id, response_body, {", ".join(USAGE_COLUMNS)},
+                state = ANY(CAST(:states_0 AS varchar[])) AS in_0, state = ANY(CAST(:states_1 AS varchar[])) AS in_1,
+                state = '{RequestState.succeeded.value}' AS succeeded
+            FROM batch_requests
+            WHERE batch_id = :batch_id AND line > :start AND line <= :end
+            OFFSET 0
+        ) AS page
+    """)
+
+
+_PG_PAGE = _pg_page_sql()
 
 
 def _split_page(rows: Sequence[Any], files: Files, errors: dict[str, bytes]) -> Page:

@@ -256,7 +256,7 @@ def test_two_finalizations_at_once_write_the_same_files_and_one_set_of_rows(
     )
 
 
-HOSTILE = ['q"uote', "back\\slash", "tab\tnew\nline\r", "\x01\x1f\x7f", "é€😀\u2028\ufeff", "</script>", ""]
+HOSTILE = ['q"uote', "back\\slash", "tab\tnew\nline\r", "\b\f\x01\x1f\x7f", "é€😀\u2028\ufeff", "</script>", ""]
 
 
 @pytest.mark.parametrize("page", [output_pages.ROWS_PER_FETCH, 400])
@@ -265,7 +265,8 @@ def test_the_pages_write_the_same_bytes_as_one_formatting_of_all_rows(
 ) -> None:
     """Read a page at a time, the lines are the bytes the formatter writes for all the rows at
     once, whatever the values, in order across pages (two, or twenty with a small page) and
-    with gaps in the line numbers."""
+    with gaps in the line numbers. On Postgres the pages are formatted by the database
+    (`jobs.output.pages._pg_page_sql`): this holds that second formatter to the Python one."""
     with db.begin() as s:
         batch = _batch(s, status=BatchStatus.finalizing, states={})
         states = [
