@@ -5,7 +5,8 @@ The page asks for an API key, keeps it in sessionStorage and sends it as a Beare
 key shows that team's batches, an admin key every team's. The fleet view samples
 `GET /v1/dashboard/fleet` every few seconds and plots the fleet's in-flight requests (from the
 frontend's Prometheus metrics), the batch requests in flight (capacity leases held) and the
-released lease limit over time.
+released lease limit over time, summed over the lease pools, and shows each pool beside: a
+deployment's, or one model's on a deployment serving several (`scheduler.fleet.routing`).
 
 The API may not import `scheduler`, where the lease store lives, so the lease gauges are read
 here from the store's documented layout (`storage/leases.py`): the pool is a Redis sorted set
@@ -242,6 +243,11 @@ def _sample(settings: Settings) -> FleetLoad:
     except (redis.RedisError, SQLAlchemyError, OSError):
         held = limit = None  # the store is unreachable: the sample says so, the page shows a gap
     fleet = fleet_inflight(frontend_metrics_urls(settings))
+    pools = pool_loads(settings)
+    if len(pools) > 1 and all(p.batch_inflight is not None and p.limit is not None for p in pools):
+        # Several pools (deployments, or models on one): the fleet's figures are their sums.
+        held = sum(p.batch_inflight or 0 for p in pools)
+        limit = sum(p.limit or 0 for p in pools)
     return FleetLoad(
         object="dashboard.fleet_load",
         at=time.time(),
@@ -250,7 +256,7 @@ def _sample(settings: Settings) -> FleetLoad:
         interactive_inflight=max(0, fleet - held) if fleet is not None and held is not None else None,
         limit=limit,
         capacity_control=settings.capacity_controlled,
-        pools=pool_loads(settings),
+        pools=pools,
     )
 
 
