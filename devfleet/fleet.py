@@ -368,8 +368,9 @@ class Fleet:
             extra_args=self.frontend_args,
         )
 
-    def _worker_cmd(self, role: str, bootstrap_port: int | None, served: str) -> list[str]:
+    def _worker_cmd(self, role: str, bootstrap_port: int | None, served: str | None = None) -> list[str]:
         assert self.python is not None and self.model_path is not None
+        served = served or self.model_name
         extra = next((m for m in self.more_models if m.name == served), None)
         speedup = extra.speedup_ratio if extra is not None and extra.speedup_ratio is not None else self.speedup_ratio
         return dynamo_launch.mocker_cmd(

@@ -424,3 +424,25 @@ def test_owner_sigkilled_leaves_no_orphans(tiny_model: Path, tmp_path: Path, die
                 os.killpg(p, signal.SIGKILL)
         if owner.poll() is None:
             owner.kill()
+
+
+@pytest.mark.slow
+def test_a_fleet_serves_two_models_each_on_its_own_workers(tiny_model: Path):
+    """The layout of `backfill up` and the test stack: tiny-chat and a larger, slower model behind
+    one frontend, each on mocker workers of its own; the frontend labels its series per model."""
+    large = fleet_mod.large_model(10.0)
+    with fleet_mod.Fleet(num_workers=1, model_path=tiny_model, speedup_ratio=10.0, more_models=[large]) as f:
+        c = _client()
+        assert f.models == ["tiny-chat", fleet_mod.LARGE_MODEL]
+        assert sorted(m["id"] for m in c.get(f"{f.base_url}/models").json()["data"]) == sorted(f.models)
+        assert [w.model for w in f.workers] == ["tiny-chat", fleet_mod.LARGE_MODEL]
+        config = json.loads((f._model_paths[fleet_mod.LARGE_MODEL] / "config.json").read_text())
+        assert config["num_hidden_layers"] == 16  # four times tiny-chat's KV bytes a token
+        for model in f.models:
+            r = c.post(
+                f"{f.base_url}/chat/completions",
+                json={"model": model, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]},
+            )
+            assert r.status_code == 200 and r.json()["model"] == model, r.text
+        text = c.get(f.frontend_metrics_url).text
+        assert all(f'model="{m}"' in text for m in f.models)
