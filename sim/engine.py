@@ -51,11 +51,17 @@ class FleetSpec:
     max_num_batched_tokens: int = 8192
     perf: str = "mocker"  # or a table file in sim/fleets (`backfill.sim.aic_table`)
     perf_scale: float = 1.0
+    decode_tokens_per_step: float = 1.0  # speculative decoding's mean accepted tokens per step (table perf)
     speedup_ratio: float = 1.0
     priority: bool = False
     kv_transfer_latency_s: float = 0.002
     kv_transfer_s_per_token: float = 0.0
     host_kv_tokens: int = 0  # host-memory tier per worker (0: none)
+    # One host tier the whole fleet shares (Mooncake store, LMCache with a shared backend): each
+    # prompt's KV is written there as it is computed, so any worker loads it instead of
+    # recomputing; its size is host_kv_tokens x workers. False: a private tier per worker,
+    # filled by what the device cache evicts.
+    host_kv_shared: bool = False
     host_load_s_per_token: float = 0.0
     frontend_s: float = 0.001  # frontend + router time before a request reaches a worker
     gpus_per_worker: int = 1
@@ -89,7 +95,7 @@ class FleetSpec:
     def make_perf(self) -> Perf:
         if self.perf == "mocker":
             return MockerPerf(self.speedup_ratio)
-        return TablePerf.load(FLEETS / self.perf, self.perf_scale)
+        return TablePerf.load(FLEETS / self.perf, self.perf_scale, self.decode_tokens_per_step)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,6 +128,7 @@ class Req:
         "session",
         "shared",
         "state",
+        "todo",
         "transferred",
         "turn",
         "worker",
@@ -163,6 +170,7 @@ class Req:
         self.state = "new"  # new | waiting | prefill | decode | transfer | done | aborted
         self.worker = -1
         self.transferred = False
+        self.todo = prompt  # tokens to prefill where it was routed (the router's estimate)
         self.session = -1
         self.turn = -1
         self.line = -1
@@ -201,8 +209,27 @@ class WorkerMetrics:
     preemptions: int = 0
 
 
+class HostTier:
+    """Prefix KV kept in host memory, LRU, by prefix key."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.entries: OrderedDict[str, int] = OrderedDict()
+        self.tokens = 0
+
+    def put(self, key: str, n: int) -> None:
+        old = self.entries.pop(key, 0)
+        self.entries[key] = max(old, n)
+        self.tokens += self.entries[key] - old
+        while self.entries and self.tokens > self.capacity:
+            _, m = self.entries.popitem(last=False)
+            self.tokens -= m
+
+
 class Worker:
-    def __init__(self, index: int, role: str, spec: FleetSpec, perf: Perf, fleet: Fleet) -> None:
+    def __init__(
+        self, index: int, role: str, spec: FleetSpec, perf: Perf, fleet: Fleet, host: HostTier | None = None
+    ) -> None:
         self.index = index
         self.role = role
         self.spec = spec
@@ -222,8 +249,7 @@ class Worker:
         self.shared_saving = 0
         self.cache: OrderedDict[str, int] = OrderedDict()
         self.cache_tokens = 0
-        self.host: OrderedDict[str, int] = OrderedDict()
-        self.host_tokens = 0
+        self.host = host if host is not None else HostTier(spec.host_kv_tokens)
         self.m = WorkerMetrics()
         self.step_chunks: list[tuple[Req, int]] = []
         self.step_started = 0.0
@@ -268,17 +294,20 @@ class Worker:
                 device = min(n, got)
                 break
         for key, n in r.chain:
-            got = self.host.get(key)
+            got = self.host.entries.get(key)
             if got:
                 host = max(0, min(n, got) - device)
                 break
         return min(device, r.need - 1), max(0, min(host, r.need - 1 - device))
 
     def store(self, items: tuple[tuple[str, int], ...]) -> None:
+        shared = self.spec.host_kv_shared and self.spec.host_kv_tokens
         for key, n in items:
             old = self.cache.pop(key, 0)
             self.cache[key] = max(old, n)
             self.cache_tokens += self.cache[key] - old
+            if shared:
+                self.host.put(key, n)
 
     def trim_cache(self) -> None:
         room = self.capacity - self.active_tokens()
@@ -286,12 +315,7 @@ class Worker:
             key, n = self.cache.popitem(last=False)
             self.cache_tokens -= n
             if self.spec.host_kv_tokens:
-                old = self.host.pop(key, 0)
-                self.host[key] = max(old, n)
-                self.host_tokens += self.host[key] - old
-                while self.host and self.host_tokens > self.spec.host_kv_tokens:
-                    _, m = self.host.popitem(last=False)
-                    self.host_tokens -= m
+                self.host.put(key, n)
 
     # -- scheduling ------------------------------------------------------------------------
     def enqueue(self, r: Req) -> None:
@@ -526,13 +550,14 @@ class Fleet:
         self.sink_name = sink_name
         self.perf = spec.make_perf()
         self.workers: list[Worker] = []
+        n = (spec.prefill_workers if spec.mode == "disagg" else 0) + spec.decode_workers
+        tier = HostTier(spec.host_kv_tokens * n) if spec.host_kv_shared else None
         if spec.mode == "disagg":
             for _ in range(spec.prefill_workers):
-                self.workers.append(Worker(len(self.workers), "prefill", spec, self.perf, self))
+                self.workers.append(Worker(len(self.workers), "prefill", spec, self.perf, self, tier))
         for _ in range(spec.decode_workers):
-            self.workers.append(
-                Worker(len(self.workers), "decode" if spec.mode == "disagg" else "agg", spec, self.perf, self)
-            )
+            role = "decode" if spec.mode == "disagg" else "agg"
+            self.workers.append(Worker(len(self.workers), role, spec, self.perf, self, tier))
         for w in self.workers:
             clock.targets[self.name_of(w)] = w
         clock.targets["fleet"] = self
@@ -565,10 +590,14 @@ class Fleet:
         bs = self.spec.block_size
 
         def cost(w: Worker) -> float:
+            # Blocks to prefill here, plus the prefill already queued here, plus the blocks in use.
             dev, host = w.hit(r)
-            return (r.need - dev - host) / bs + w.active_tokens() / bs + len(w.waiting) * r.need / bs
+            queued = sum(x.need - x.computed for x in w.prefilling) + sum(x.todo for x in w.waiting)
+            return (r.need - dev - host + queued + w.active_tokens()) / bs
 
         best = min(self.prefillers, key=lambda w: (cost(w), (w.index + r.rid) % len(self.workers)))
+        dev, host = best.hit(r)
+        r.todo = r.need - dev - host
         best.enqueue(r)
 
     def transfer(self, r: Req, src: Worker) -> None:

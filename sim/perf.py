@@ -8,7 +8,8 @@
   divided by its speedup ratio; a decode worker of a split fleet skips the prefill part.
 - `TablePerf`: a latency grid from NVIDIA's aiconfigurator-core (`backfill.sim.aic_table`),
   interpolated: prefill by (new tokens, cached prefix), decode by (batch, mean context); a mixed
-  step costs the sum of its two parts.
+  step costs the sum of its two parts. With speculative decoding (a grid compiled with MTP
+  drafts), a decode step yields `tokens_per_step` tokens per sequence on average.
 """
 
 from __future__ import annotations
@@ -71,9 +72,13 @@ class TablePerf:
     context: list[float]
     decode: list[list[float]]
     scale: float = 1.0
+    # Speculative decoding (MTP): the grid's decode step verifies the drafts, and each sequence
+    # keeps this many tokens per step on average (the acceptance aiconfigurator does not model).
+    # The simulator advances one token per step, so a step costs the grid's time over this.
+    tokens_per_step: float = 1.0
 
     @classmethod
-    def load(cls, path: Path, scale: float = 1.0) -> TablePerf:
+    def load(cls, path: Path, scale: float = 1.0, tokens_per_step: float = 1.0) -> TablePerf:
         t = json.loads(path.read_text())
         return cls(
             new_tokens=[float(v) for v in t["new_tokens"]],
@@ -83,6 +88,7 @@ class TablePerf:
             context=[float(v) for v in t["context"]],
             decode=t["decode_ms"],
             scale=scale,
+            tokens_per_step=tokens_per_step,
         )
 
     def prefill_ms(self, new_tokens: int, prefix: int) -> float:
@@ -93,8 +99,9 @@ class TablePerf:
     def decode_ms(self, batch: int, mean_context: float, kv_usage: float) -> float:
         if batch <= 0:
             return 0.0
-        return max(1.0, _interp2(self.batch, self.context, self.decode, batch, mean_context)) * self.scale
+        step = max(1.0, _interp2(self.batch, self.context, self.decode, batch, mean_context))
+        return step * self.scale / self.tokens_per_step
 
     @property
     def min_decode_ms(self) -> float:
-        return min(min(row) for row in self.decode) * self.scale
+        return min(min(row) for row in self.decode) * self.scale / self.tokens_per_step
