@@ -148,11 +148,15 @@ def main(argv: list[str] | None = None) -> None:
             for kv in (576, 352):
                 fleet = base.with_kv(kv)
                 per: list[dict[str, Any]] = []
+                t0 = time.time()
                 for seed in range(seeds):
                     per.append(
                         one(fleet, make_trace(trace_name, seed), seed, sweep, seed < oracle_seeds, a.improve_tries)
                     )
-                print(f"\n== {fleet_name} {trace_name} kv{kv}: {seeds} seeds (oracle {min(seeds, oracle_seeds)})")
+                print(
+                    f"\n== {fleet_name} {trace_name} kv{kv}: {seeds} seeds (oracle {min(seeds, oracle_seeds)}), "
+                    f"{time.time() - t0:.0f} s"
+                )
                 print(
                     f"{'run':>7} {'attain%':>8} {'batch tok/s':>12} {'ttft p50/p90 ms':>16} {'itl p50/p90 ms':>15} {'shed':>6}"
                 )
@@ -167,10 +171,12 @@ def main(argv: list[str] | None = None) -> None:
                         f"{statistics.median(r.aborted for r in rs):6.0f}"
                     )
                 ro, rs_ = [], []
+                held = 0
                 for x in per:
                     rows = x["rows"]
                     base_att = rows["a"].attainment
                     c = rows["c"]
+                    held += c.attainment >= base_att - 0.01 - 1e-9
                     gaps.append((base_att - c.attainment) * 100)
                     holding = [
                         r.tok_s for k, r in rows.items() if k.startswith("s") and r.attainment >= base_att - 0.01
@@ -190,7 +196,10 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"controller/oracle: median {statistics.median(ro):.2f} worst {min(ro):.2f}", end="; ")
                 if rs_:
                     print(f"controller/best SLO-holding static: median {statistics.median(rs_):.2f}", end="; ")
-                print(f"attainment gap (a)-(c): median {statistics.median(gaps[-len(per) :]):.1f} pts")
+                print(
+                    f"attainment gap (a)-(c): median {statistics.median(gaps[-len(per) :]):.1f} pts; "
+                    f"controller held the SLO on {held}/{len(per)} seeds"
+                )
                 srcs = [f"{x['oracle']['source']}+{x['oracle']['kept']}" for x in per if "oracle" in x]
                 if srcs:
                     print(f"oracle grew from (seed+improvements kept): {', '.join(srcs)}")
@@ -205,7 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     line = (
         f"harvest_sim: traces={n_traces} seeds={seeds} "
         f"median_vs_oracle={statistics.median(vs_oracle):.2f} worst_vs_oracle={min(vs_oracle):.2f} "
-        f"median_vs_best_static={statistics.median(vs_static):.2f} attainment_gap_pts={statistics.median(gaps):.1f}"
+        f"median_vs_best_static={statistics.median(vs_static):.2f} attainment_gap_pts={statistics.median(gaps):.1f} "
+        f"held={sum(g <= 1.0 + 1e-9 for g in gaps)}/{len(gaps)}"
     )
     print(f"\n{line}\n({time.time() - started:.0f} s)")
 

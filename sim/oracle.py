@@ -340,6 +340,11 @@ def search(
     tries = g.tries
     assert g.schedule is not None
     seeds: list[tuple[str, Schedule | None, Sim]] = [("greedy", g.schedule, g.sim)]
+    # The greedy limits without their shedding: a window's drop then waits for completions
+    # instead of aborting work already half done.
+    calm = Schedule(list(g.schedule.limits), window_s, [None] * n)
+    seeds.append(("greedy-noshed", calm, run_schedule(spec, trace, calm, slo=slo, seed=seed)))
+    tries += 1
     for r in runs:
         sched = Schedule([r.policy.limit] * n, window_s) if r.policy.kind == "static" else None
         seeds.append((r.policy.label, sched, r))

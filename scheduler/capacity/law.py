@@ -11,7 +11,8 @@ SLO, so the controller steers on latency, with the fleet's own telemetry as the 
 - what batch requests themselves saw: 429/503 answers, their prompt and output sizes.
 
 The law is AIMD-like. Grow in proportion to the room left while latency sits below the SLO
-with a margin (and only while the leases are actually used); cut in proportion to the overshoot
+with a margin (and only while the leases are actually used; the mean TTFT against a fraction of
+its SLO, as the SLO holds each request and the sensor reads a window's mean); cut in proportion to the overshoot
 when the smoothed latency crosses the target; cut hard when a queue forms, a 429/503 arrives,
 an engine preempts or its KV cache nears full, latency crosses the SLO itself, or interactive
 requests surge, and then
@@ -41,13 +42,16 @@ class ControlConfig:
     ceiling: int = 256
     period_s: float = 0.25
     stale_s: float = 1.5  # telemetry older than this counts as none
-    grow_below: float = 0.8  # grow while smoothed latency < this fraction of the target
-    cut_above: float = 0.92  # cut while smoothed latency > this fraction of the target
+    grow_below: float = 0.85  # grow while smoothed latency < this fraction of the target
+    cut_above: float = 0.95  # cut while smoothed latency > this fraction of the target
     grow_gain: float = 0.5  # growth per period, as a fraction of the limit, scaled by the room left
     cut_gain: float = 2.0  # cut per period, as a fraction of in-flight, per unit of relative overshoot
     hard_cut: float = 0.5  # what is left of in-flight after a hard cut
     hold_s: float = 0.75  # no growth for this long after a cut
-    surge_requests: int = 3  # interactive arrivals in one period that count as a surge
+    # Interactive arrivals in one period that count as a surge: two already queue their prefills
+    # behind the batch's on a shared prefill engine, and the first-token tail goes past the SLO
+    # before the mean TTFT moves (tuned in the simulator, bench.sim_harvest).
+    surge_requests: int = 2
     # With no interactive request in flight for idle_after_s, nobody is waiting on a token: the
     # latency target stretches to idle_target x SLO, and the first interactive arrival sheds
     # back down to what the SLO allows. 1.0 disables this.
@@ -64,6 +68,10 @@ class ControlConfig:
     # EWMA weight of the newest latency window: the SLO is on a request's mean inter-token
     # latency over its whole reply (a second or two), not on any 0.25 s window.
     smoothing: float = 0.25
+    # The mean time to first token a window may reach, as a fraction of the TTFT SLO: the SLO
+    # bounds every request's TTFT, the sensor reads a window's mean, and once batch prefills
+    # share the engine the slow tail runs about twice the mean (measured in the simulator).
+    ttft_mean_target: float = 0.7
     queue_periods: int = 3  # a waiting queue seen this many periods in a row has formed
 
 
@@ -174,7 +182,7 @@ class Controller:
 
         # Latency as a fraction of the target of the moment: the worse of the two pools.
         scale = cfg.idle_target if idle else 1.0
-        itl_slo, ttft_slo = cfg.slo.itl_s * scale, cfg.slo.ttft_s * scale
+        itl_slo, ttft_slo = cfg.slo.itl_s * scale, cfg.slo.ttft_s * scale * cfg.ttft_mean_target
         pressure = max(
             (self._itl / itl_slo) if self._itl is not None else 0.0,
             (self._ttft / ttft_slo) if self._ttft is not None else 0.0,
