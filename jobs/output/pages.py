@@ -76,8 +76,7 @@ def pages(units: UnitOfWork, batch_id: str, files: Files, *, pending_as: Request
     """Every page of the batch's rows in input order, each read once for both `files`."""
     with units() as session:
         postgres = session.get_bind().dialect.name == "postgresql"
-        sizes = session.execute(_sizes_query(session, batch_id), {"start": 0}).all()
-    ranges = _page_ranges(units, batch_id, sizes)
+    ranges = _page_ranges(units, batch_id)
     if postgres:
         yield from _pg_pages(units, ranges, _pg_params(batch_id, files, pending_as))
         return
@@ -89,17 +88,27 @@ def pages(units: UnitOfWork, batch_id: str, files: Files, *, pending_as: Request
         yield _split_page(rows, files, errors)  # (the transaction has ended)
 
 
-def _page_ranges(units: UnitOfWork, batch_id: str, sizes: Sequence[Any]) -> Iterator[tuple[int, int]]:
-    """Each page as (after this line, up to this one), from the first lines' `sizes` on."""
+def _page_ranges(units: UnitOfWork, batch_id: str) -> Iterator[tuple[int, int]]:
+    """Each page as (after this line, up to this one). The next ROWS_PER_FETCH lines are one
+    page when their sizes sum to at most PAGE_BYTES (most batches: answers of a few KB), which
+    one aggregate row says; only otherwise are their sizes read to cut them (`page_ends`)."""
     start = 0
     while True:
-        for end in page_ends(sizes):
+        with units() as session:
+            sizes_query = _sizes_query(session, batch_id).subquery()
+            last, total, count = session.execute(
+                select(func.max(sizes_query.c.line), func.sum(sizes_query.c.size), func.count()),
+                {"start": start},
+            ).one()
+            if count and total > PAGE_BYTES:
+                ends = list(page_ends(session.execute(_sizes_query(session, batch_id), {"start": start}).all()))
+            else:
+                ends = [last] if count else []
+        for end in ends:
             yield start, end
             start = end
-        if len(sizes) < ROWS_PER_FETCH:
+        if count < ROWS_PER_FETCH:
             return
-        with units() as session:
-            sizes = session.execute(_sizes_query(session, batch_id), {"start": start}).all()
 
 
 def _pg_pages(
@@ -155,7 +164,7 @@ def _sizes_query(session: Session, batch_id: str) -> Any:
     c = BatchRequest.__table__.c
     size = _byte_length(session, c.response_body) + _byte_length(session, c.custom_id) + LINE_OVERHEAD
     return (
-        select(c.line, cast(size, Integer))
+        select(c.line, cast(size, Integer).label("size"))
         .where(c.batch_id == batch_id, c.line > bindparam("start"))
         .order_by(c.line)
         .limit(ROWS_PER_FETCH)
