@@ -5,9 +5,6 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-# The eval sweep whose throughput the closing line reports (the multi-task one when it ran).
-EVAL_WORKLOADS = ("eval", "eval1")
-
 
 @dataclass
 class RunRow:
@@ -94,9 +91,26 @@ def table(rows: list[RunRow]) -> str:
 
 
 def final_line(rows: list[RunRow]) -> str:
-    shared = {r.workload for r in rows if r.shared and r.mode == "prefix"}
-    x = min((_mean([r.share_of_max for r in _runs(rows, w, "prefix")]) for w in shared), default=float("nan"))
-    evals = [w for w in EVAL_WORKLOADS if _runs(rows, w, "prefix")]
-    y = ratio(rows, evals[0]) if evals else float("nan")
+    """The closing line, over the workloads it names: `cached_share_of_max`, the lowest share of
+    the possible cached tokens prefix order got among the workloads where some could be cached
+    (one where neither order cached any, such as n samples in one request, has nothing to
+    measure); `tput_vs_random`, prefix order's lowest throughput against random order's among
+    every workload run in both orders, and where it was; `unique_tput_vs_random`, the control's."""
+    names = list(dict.fromkeys(r.workload for r in rows))
+    cacheable = [
+        w
+        for w in names
+        if _runs(rows, w, "prefix")
+        and any(r.shared for r in _runs(rows, w, "prefix"))
+        and any(r.cached_tokens and r.max_cached_tokens for r in rows if r.workload == w)
+    ]
+    x = min((_mean([r.share_of_max for r in _runs(rows, w, "prefix")]) for w in cacheable), default=float("nan"))
+    both = [w for w in names if _runs(rows, w, "prefix") and _runs(rows, w, "random")]
+    ratios = {w: ratio(rows, w) for w in both}
+    worst = min(ratios, key=lambda w: ratios[w], default="")
+    y = ratios.get(worst, float("nan"))
     z = ratio(rows, "unique")
-    return f"prefix: cached_share_of_max={x:.2f} tput_vs_random={y:.2f} unique_tput_vs_random={z:.2f}"
+    return (
+        f"prefix: cached_share_of_max={x:.2f} over={','.join(cacheable) or '-'} "
+        f"tput_vs_random={y:.2f} lowest_at={worst or '-'} over={','.join(both) or '-'} unique_tput_vs_random={z:.2f}"
+    )
