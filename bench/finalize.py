@@ -3,7 +3,7 @@ way `jobs.output.finalize` feeds it), the store's streaming put next to the read
 inline below: a `bytes +=` buffer under boto3's managed transfer), against SeaweedFS.
 
 Then, with `--lines`, the whole `finalize_batch` on a scratch Postgres database, for git
-revision `--before`'s jobs/output/finalize.py (HEAD by default) and the working tree's, interleaved,
+revision `--before`'s jobs/output/{finalize,pages}.py (HEAD by default) and the working tree's, interleaved,
 `--repeat` runs each (median, min and max MB/s: the machine is shared), every run checked to
 write the same files and counters. `--shape succeeded`: every line ran (~600-byte bodies, one
 in 50 failed); `--shape expired`: the batch expired after `--ran` lines, the rest are written
@@ -146,19 +146,24 @@ _INSERT_LINES = """
 """
 
 
-def load_output_revision(rev: str) -> ModuleType:
-    """`jobs/output/finalize.py` as it is at git revision `rev`, as a module of its own (the rest of the
-    package is the working tree's), the way bench.validate_speed loads validation."""
-    source = subprocess.run(
-        ["git", "show", f"{rev}:jobs/output/finalize.py"], cwd=ROOT, check=True, capture_output=True
-    )
-    path = Path(tempfile.mkdtemp()) / "output_before.py"
+def _module_at(rev: str, file: str, name: str) -> ModuleType:
+    source = subprocess.run(["git", "show", f"{rev}:{file}"], cwd=ROOT, check=True, capture_output=True)
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
     path.write_bytes(source.stdout)
-    spec = importlib.util.spec_from_file_location("output_before", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while decorating
     spec.loader.exec_module(module)
+    return module
+
+
+def load_output_revision(rev: str) -> ModuleType:
+    """`jobs/output/finalize.py` as it is at git revision `rev`, reading its pages with that
+    revision's `jobs/output/pages.py`, as modules of their own (the rest of the package is the
+    working tree's), the way bench.validate_speed loads validation."""
+    module = _module_at(rev, "jobs/output/finalize.py", "output_before")
+    setattr(module, "pages", _module_at(rev, "jobs/output/pages.py", "output_pages_before").pages)  # noqa: B010
     return module
 
 
@@ -316,7 +321,9 @@ def main() -> None:
     )
     parser.add_argument("--ran", type=int, default=3000, help="lines that ran before an expired batch expired")
     parser.add_argument("--repeat", type=int, default=3, help="finalize_batch runs of each revision")
-    parser.add_argument("--before", default="HEAD", help="git revision of jobs/output/finalize.py to compare with")
+    parser.add_argument(
+        "--before", default="HEAD", help="git revision of jobs/output/{finalize,pages}.py to compare with"
+    )
     args = parser.parse_args()
 
     from backfill.devfleet.s3 import SeaweedS3
