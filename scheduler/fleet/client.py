@@ -158,9 +158,11 @@ class FleetClient:
         return [await b.state() for b in self.breakers]
 
     def breaker(self, i: int, model: str | None = None) -> Breaker:
-        """The breaker a call of `model` to deployment i answers to: its model's where the
-        deployment serves several (`FleetRoutes.pool`), else the deployment's."""
-        pool = self.routes.pool(i, model) if self.routes is not None and i < len(self.routes.urls) else Pool(i)
+        """The breaker a call of `model` to deployment i answers to: its model's where a fleet
+        deployment serves several (`FleetRoutes.pool`), else the deployment's. An overflow keeps
+        one breaker: what makes it fail (its keys, its quota, its rate limit) is the provider's."""
+        routed = self.routes is not None and i < min(len(self.routes.urls), self.fleet_deployments)
+        pool = self.routes.pool(i, model) if self.routes is not None and routed else Pool(i)
         if pool.model is None:
             return self.breakers[i]
         key = (i, pool.model)
