@@ -47,6 +47,10 @@ from backfill.jobs.models import TERMINAL_STATUSES, Batch, BatchStatus, Team, ut
 
 COMPONENTS = ("worker", "scheduler", "api")
 STOP_GRACE_S = 30.0  # longer than a drain's shutdown grace (BACKFILL_DRAIN_GRACE_S, 20 s)
+# A drain's shutdown grace under `up` unless configured: Ctrl-C stops within seconds, and what a
+# drain has not finished by then goes back to pending without spending an attempt (the next
+# `up` runs it); a deployment's 20 s lets long requests finish through a rolling restart.
+UP_DRAIN_GRACE_S = 2.0
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 DEFAULT_MAX_TOKENS = 256  # the simulated model's default length limit (devfleet.length_front)
 POLL_S = 1.0
@@ -413,6 +417,7 @@ def _run_up(*, port: int, fleet_workers: int, speedup: float) -> None:
     env["BACKFILL_HOME"] = str(home)  # absolute: every component agrees on it
     # The embedded mode is a development setup: its generated key starts with sk-dev.
     env.setdefault("BACKFILL_ENVIRONMENT", "development")
+    env.setdefault("BACKFILL_DRAIN_GRACE_S", str(UP_DRAIN_GRACE_S))
     _fleet_install_outside_cwd(home, env)
     clear_metrics_dir(metrics_dir())
     fleet = None
