@@ -12,10 +12,11 @@ terminal's Ctrl-C reaches `up` alone): SIGTERM to each component's process (a wo
 process tells its pool; an idle worker leaves at once, a busy one once its drains have given
 back what they hold, within their grace), the simulated fleet stops as soon as the worker is
 gone (no drain holds a request then) beside the others, then SIGKILL of whatever group is left;
-`logs/up.log` records when each was gone. Signals that arrive meanwhile never cut the stop short: the first says what it waits for, the second SIGKILLs every
-component at once; that holds however the stop began (a signal, a component that exited, a
-start-up that failed). A component whose `up` was SIGKILLed gets SIGTERM from the kernel (parent
-death signal); until it is gone its pid file (`run/`) keeps a new `up` off the same home.
+`logs/up.log` records when each was gone. Signals that arrive meanwhile never cut the stop
+short: the first says what it waits for, the second SIGKILLs every component at once; that
+holds however the stop began (a signal, a component that exited, a start-up that failed). A
+component whose `up` was SIGKILLed gets SIGTERM from the kernel (parent death signal); until it
+is gone its pid file (`run/`) keeps a new `up` off the same home.
 """
 
 from __future__ import annotations
