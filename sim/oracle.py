@@ -205,29 +205,9 @@ def greedy(
         if not bad:
             chosen, best = hi[k], s
         else:
-            tries += 1
-            s0, bad0 = attempt(0)
-            if bad0:
-                arrivals = bad0
-                lo = min(arrivals) - LOOKBACK_S
-                j = next((j for j in range(k - 1, -1, -1) if schedule[j] > 0 and (j + 1) * window_s > lo), None)
-                if j is None or backtracks >= max_backtracks:
-                    # Nothing the batch side did (or can still undo) causes it: not the oracle's to fix.
-                    for r in s0.interactive:
-                        if r.arrival in arrivals:
-                            allowed.add((r.session, r.turn))
-                    continue
-                backtracks += 1
-                hi[j] = int(schedule[j] * 0.7)
-                for m in range(j + 1, n):
-                    hi[m] = cap
-                del schedule[j:]
-                del snaps_k[j + 1 :]
-                sim = store.loads(snaps_k[j])
-                k = j
-                continue
-            # Binary search to within an eighth: the improvement stage refines what matters.
-            ok_l, ok_s, bad_l = 0, s0, hi[k]
+            # Binary search to within an eighth (the improvement stage refines what matters);
+            # 0 is tried only when nothing above it holds.
+            ok_l, ok_s, bad_l = 0, None, hi[k]
             while bad_l - ok_l > max(1, ok_l // 8):
                 mid = (ok_l + bad_l) // 2
                 tries += 1
@@ -236,6 +216,29 @@ def greedy(
                     bad_l = mid
                 else:
                     ok_l, ok_s = mid, sm
+            if ok_s is None:
+                tries += 1
+                s0, bad0 = attempt(0)
+                if bad0:
+                    arrivals = bad0
+                    lo = min(arrivals) - LOOKBACK_S
+                    j = next((j for j in range(k - 1, -1, -1) if schedule[j] > 0 and (j + 1) * window_s > lo), None)
+                    if j is None or backtracks >= max_backtracks:
+                        # Nothing the batch side did (or can still undo) causes it: not the oracle's to fix.
+                        for r in s0.interactive:
+                            if r.arrival in arrivals:
+                                allowed.add((r.session, r.turn))
+                        continue
+                    backtracks += 1
+                    hi[j] = int(schedule[j] * 0.7)
+                    for m in range(j + 1, n):
+                        hi[m] = cap
+                    del schedule[j:]
+                    del snaps_k[j + 1 :]
+                    sim = store.loads(snaps_k[j])
+                    k = j
+                    continue
+                ok_s = s0
             chosen, best = ok_l, ok_s
         schedule.append(chosen)
         sim = best

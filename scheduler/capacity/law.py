@@ -24,6 +24,7 @@ for interactive arrivals. Without fresh telemetry the limit falls to the floor: 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from backfill.scheduler.capacity.telemetry import FleetSnapshot, KvModel
@@ -48,7 +49,8 @@ class ControlConfig:
     cut_gain: float = 2.0  # cut per period, as a fraction of in-flight, per unit of relative overshoot
     hard_cut: float = 0.5  # what is left of in-flight after a hard cut
     hold_s: float = 0.75  # no growth for this long after a cut
-    # Interactive arrivals in one period that count as a surge: two already queue their prefills
+    # Interactive arrivals in one period that count as a surge (at least; more on a fleet whose
+    # usual rate is higher): two already queue their prefills
     # behind the batch's on a shared prefill engine, and the first-token tail goes past the SLO
     # before the mean TTFT moves (tuned in the simulator, bench.sim_harvest).
     surge_requests: int = 2
@@ -101,6 +103,7 @@ class Controller:
         self._was_idle = False
         self._queued_for = 0
         self._kv_per_request = 1024.0  # prompt + output tokens of a batch request, learned
+        self._arrivals = 0.0  # interactive arrivals per period, smoothed over ~5 s
         self.seen = False  # whether complete telemetry has ever arrived
         # KV cache tokens the decoders leave to batch work, from the KV model (None: unknown).
         self.kv_budget_tokens: int | None = None
@@ -170,6 +173,10 @@ class Controller:
         arrivals = fe.stream_arrivals
         if interactive or arrivals:
             self._last_interactive = now
+        # A surge is a burst above the fleet's usual arrivals, not a fixed count: a large fleet
+        # gets several interactive requests every period. Three times the usual rate.
+        surge_at = max(cfg.surge_requests, math.ceil(3 * self._arrivals))
+        self._arrivals = 0.95 * self._arrivals + 0.05 * arrivals
         idle = cfg.idle_target > 1.0 and now - self._last_interactive >= cfg.idle_after_s
         waiting = sum(w.waiting for w in snap.workers) + fe.queued
         queued = waiting >= max(2, 0.1 * sum(w.running for w in snap.workers))
@@ -209,7 +216,7 @@ class Controller:
                     ("kv-full", kv >= cfg.kv_full),
                     ("queue", queue_formed),
                     ("over-slo", pressure >= 1.0 or raw_pressure >= 1.5),
-                    ("surge", arrivals >= cfg.surge_requests and b),
+                    ("surge", arrivals >= surge_at and b),
                 )
                 if hit
             ),
