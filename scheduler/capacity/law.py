@@ -178,8 +178,11 @@ class Controller:
         surge_at = max(cfg.surge_requests, math.ceil(3 * self._arrivals))
         self._arrivals = 0.95 * self._arrivals + 0.05 * arrivals
         idle = cfg.idle_target > 1.0 and now - self._last_interactive >= cfg.idle_after_s
-        waiting = sum(w.waiting for w in snap.workers) + fe.queued
-        queued = waiting >= max(2, 0.1 * sum(w.running for w in snap.workers))
+        # A queue on the engines that decode: their slots or KV ran out. A prefill engine's queue
+        # is the TTFT the law already steers on, and a busy fleet's interactive load keeps one.
+        decoding = [w for w in snap.workers if w.role != "prefill"]
+        waiting = sum(w.waiting for w in decoding) + fe.queued
+        queued = waiting >= max(2, 0.1 * sum(w.running for w in decoding))
         self._queued_for = self._queued_for + 1 if queued else 0
         queue_formed = self._queued_for >= cfg.queue_periods
         preempted = sum(w.preempted for w in snap.workers)
