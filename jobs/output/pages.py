@@ -89,26 +89,29 @@ def pages(units: UnitOfWork, batch_id: str, files: Files, *, pending_as: Request
 
 
 def _page_ranges(units: UnitOfWork, batch_id: str) -> Iterator[tuple[int, int]]:
-    """Each page as (after this line, up to this one). The next ROWS_PER_FETCH lines are one
+    """Each page as (after this line, up to this one). Each ROWS_PER_FETCH line numbers are one
     page when their sizes sum to at most PAGE_BYTES (most batches: answers of a few KB), which
-    one aggregate row says; only otherwise are their sizes read to cut them (`page_ends`)."""
+    one aggregate row says; only otherwise are their sizes read to cut them (`page_ends`).
+    Ranges of line numbers, not LIMIT: a "next 5,000 lines" read under statistics not yet
+    taken after a large run was planned as a scan and sort of every line left, for each page."""
+    c = BatchRequest.__table__.c
+    with units() as session:
+        last = session.execute(select(func.max(c.line)).where(c.batch_id == batch_id)).scalar() or 0
     start = 0
-    while True:
+    while start < last:
+        stop = min(start + ROWS_PER_FETCH, last)
         with units() as session:
-            sizes_query = _sizes_query(session, batch_id).subquery()
-            last, total, count = session.execute(
-                select(func.max(sizes_query.c.line), func.sum(sizes_query.c.size), func.count()),
-                {"start": start},
-            ).one()
-            if count and total > PAGE_BYTES:
-                ends = list(page_ends(session.execute(_sizes_query(session, batch_id), {"start": start}).all()))
+            sizes = _sizes_query(session, batch_id).subquery()
+            total = session.execute(select(func.coalesce(func.sum(sizes.c.size), 0)), {"start": start, "stop": stop})
+            if total.scalar_one() > PAGE_BYTES:
+                rows = session.execute(_sizes_query(session, batch_id).order_by(c.line), {"start": start, "stop": stop})
+                ends = list(page_ends(rows.all()))
             else:
-                ends = [last] if count else []
+                ends = [stop]
         for end in ends:
             yield start, end
             start = end
-        if count < ROWS_PER_FETCH:
-            return
+        start = stop
 
 
 def _pg_pages(
@@ -163,11 +166,8 @@ def _byte_length(session: Session, column: Any) -> ColumnElement[Any]:
 def _sizes_query(session: Session, batch_id: str) -> Any:
     c = BatchRequest.__table__.c
     size = _byte_length(session, c.response_body) + _byte_length(session, c.custom_id) + LINE_OVERHEAD
-    return (
-        select(c.line, cast(size, Integer).label("size"))
-        .where(c.batch_id == batch_id, c.line > bindparam("start"))
-        .order_by(c.line)
-        .limit(ROWS_PER_FETCH)
+    return select(c.line, cast(size, Integer).label("size")).where(
+        c.batch_id == batch_id, c.line > bindparam("start"), c.line <= bindparam("stop")
     )
 
 
