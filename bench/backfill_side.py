@@ -21,13 +21,13 @@ from typing import Any
 
 import orjson
 
-from backfill.scheduler.capacity.admission import POOL, Observation, limit_key, shed_key
+from backfill.scheduler.capacity.admission import Observation, pool_of
 from backfill.scheduler.capacity.controller import FleetCapacityLoop
 from backfill.scheduler.capacity.law import Decision
 from backfill.scheduler.drain.dispatcher import Dispatcher
 from backfill.scheduler.fleet.client import FleetClient
 from backfill.scheduler.runtime import get_admission, make_capacity_loop, make_planner
-from backfill.storage.leases import LeaseStore, get_lease_store
+from backfill.storage.leases import FLEET_POOL, LeaseStore, get_lease_store, limit_key, shed_key
 from backfill.storage.objects import get_object_store
 from backfill.storage.settings import get_settings
 from bench.harvest_oracle import limit_at
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
 
     async def sample() -> None:
         while time.time() < a.t_end:
-            n = await asyncio.to_thread(leases.count, POOL)
+            n = await asyncio.to_thread(leases.count, FLEET_POOL)
             samples.append((time.time(), n, await asyncio.to_thread(admission.limit)))
             await asyncio.sleep(0.25)
 
@@ -133,8 +133,8 @@ def _publish_schedule(
     while not stop.is_set():
         now = time.time()
         limit = limit_at(schedule, t0, now, window_s)
-        leases.publish(limit_key(0), str(limit), ttl_s=2.0)
-        leases.publish(shed_key(0), str(limit), ttl_s=2.0)  # a drop aborts the excess at once
+        leases.publish(limit_key(pool_of(0)), str(limit), ttl_s=2.0)
+        leases.publish(shed_key(pool_of(0)), str(limit), ttl_s=2.0)  # a drop aborts the excess at once
         if limit != last:
             decisions.append({"t": now, "limit": limit, "shed": limit, "reason": "oracle"})
             last = limit

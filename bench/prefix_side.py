@@ -16,11 +16,11 @@ import orjson
 from sqlalchemy import func, select
 
 from backfill.jobs.models import BatchRequest, RequestState
-from backfill.scheduler.drain.dispatcher import DRAIN_POOL, Dispatcher
+from backfill.scheduler.drain.dispatcher import Dispatcher
 from backfill.scheduler.fleet.client import FleetClient
 from backfill.scheduler.runtime import get_admission, make_planner
 from backfill.storage.db import unit_of_work
-from backfill.storage.leases import get_lease_store
+from backfill.storage.leases import DRAIN_POOL, get_lease_store
 from backfill.storage.objects import get_object_store
 from backfill.storage.settings import get_settings
 

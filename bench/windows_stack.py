@@ -126,10 +126,10 @@ class LimitSampler(threading.Thread):
 
     def __init__(self, redis_url: str) -> None:
         super().__init__(daemon=True)
-        from backfill.scheduler.capacity.admission import limit_key
-        from backfill.storage.leases import RedisLeaseStore
+        from backfill.scheduler.capacity.admission import pool_of
+        from backfill.storage.leases import RedisLeaseStore, limit_key
 
-        self.store, self.key = RedisLeaseStore(redis_url), limit_key(0)
+        self.store, self.key = RedisLeaseStore(redis_url), limit_key(pool_of(0))
         self.samples: list[int] = []
         self.stop = threading.Event()
 

@@ -36,7 +36,7 @@ from backfill.jobs.models import TERMINAL_STATUSES, Batch, BatchStatus
 from backfill.jobs.output import finalize as output
 from backfill.jobs.validation import outcome as validation
 from backfill.jobs.validation.scan import Limits
-from backfill.scheduler.drain.dispatcher import DRAIN_POOL, Dispatcher
+from backfill.scheduler.drain.dispatcher import Dispatcher
 from backfill.scheduler.fleet.client import FleetClient
 from backfill.scheduler.metrics import timed
 from backfill.scheduler.runtime import get_admission, make_escalation, make_planner, make_routes
@@ -44,7 +44,7 @@ from backfill.scheduler.validation_pool import default_processes, validate_objec
 from backfill.storage.broker import TaskName, celery_app, send_task
 from backfill.storage.db import unit_of_work
 from backfill.storage.fleet_models import get_catalog
-from backfill.storage.leases import exclusive_lease, get_lease_store
+from backfill.storage.leases import DRAIN_POOL, exclusive_lease, get_lease_store
 from backfill.storage.objects import get_object_store
 from backfill.storage.settings import get_settings
 

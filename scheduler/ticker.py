@@ -23,10 +23,9 @@ from backfill.jobs import retention, sweeps
 from backfill.jobs.models import Batch, BatchStatus, utcnow
 from backfill.jobs.sweeps import PendingBatch
 from backfill.scheduler import webhook_delivery
-from backfill.scheduler.drain.dispatcher import DRAIN_POOL
 from backfill.storage.broker import TaskName
 from backfill.storage.db import unit_of_work
-from backfill.storage.leases import LeaseStore
+from backfill.storage.leases import DRAIN_POOL, LeaseStore
 from backfill.storage.objects import get_object_store
 from backfill.storage.settings import get_settings
 

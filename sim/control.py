@@ -28,7 +28,7 @@ from typing import Any
 
 from backfill.jobs.execution.prefixes import FINGERPRINT_BYTES, plan_prefix_order
 from backfill.jobs.sweeps import PendingBatch
-from backfill.scheduler.capacity.admission import Admission, Observation, limit_key, pool_of, shed_key
+from backfill.scheduler.capacity.admission import Admission, Observation, pool_of
 from backfill.scheduler.capacity.controller import CapacityLoop
 from backfill.scheduler.capacity.law import ControlConfig, Controller, Decision, Slo
 from backfill.scheduler.capacity.telemetry import FleetTelemetry, KvModel
@@ -37,6 +37,7 @@ from backfill.scheduler.drain.policy import FairPlanner
 from backfill.scheduler.drain.shedding import shed_count
 from backfill.sim.engine import Clock, Fleet, FleetSpec, Req
 from backfill.sim.workload import Trace
+from backfill.storage.leases import limit_key, shed_key
 from backfill.storage.settings import MetricsEndpoint
 
 POOL = pool_of(0)
@@ -405,11 +406,11 @@ class Sim:
             k = math.floor(now / w + 1e-9)
             sched = self.policy.schedule
             limit = sched[k] if k < len(sched) else 0
-            self.store.publish(limit_key(0), str(limit), ttl_s=2 * w)
+            self.store.publish(limit_key(pool_of(0)), str(limit), ttl_s=2 * w)
             if not self.policy.sheds:
-                self.store.publish(shed_key(0), str(limit), ttl_s=2 * w)
+                self.store.publish(shed_key(pool_of(0)), str(limit), ttl_s=2 * w)
             elif k < len(self.policy.sheds) and self.policy.sheds[k] is not None:
-                self.store.publish(shed_key(0), str(self.policy.sheds[k]), ttl_s=max(0.5, 2 * w))
+                self.store.publish(shed_key(pool_of(0)), str(self.policy.sheds[k]), ttl_s=max(0.5, 2 * w))
             self.limits.append((now, limit))
             if not self.policy.sheds:
                 self.shed_tick_once()  # (a replayed controller's sheds wait for the drains' tick, as its own)

@@ -37,6 +37,38 @@ class Lease(Base):
     expires_at: Mapped[float] = mapped_column(Float)
 
 
+# The store's names, one owner for every reader and writer (drains, the controller, the ticker,
+# the dashboard): a pool of leases per fleet deployment (per model where a deployment serves
+# several), the pool of running drains, and the values the capacity controller publishes for a
+# pool (its limit, shed target, KV budget and latency observations) or for the whole fleet.
+FLEET_POOL = "fleet"
+DRAIN_POOL = "drains"
+RATE_KEY = "rate:fleet"  # batch tokens/s (prompt + output) the fleet currently gives batch work
+
+
+def pool_name(deployment: int, model: str | None = None) -> str:
+    """The lease pool of a deployment (by its index in the fleet client's order), or of one
+    model's pool on it."""
+    base = FLEET_POOL if deployment == 0 else f"{FLEET_POOL}:{deployment}"
+    return base if model is None else f"{base}/{model}"
+
+
+def limit_key(pool: str) -> str:
+    return f"limit:{pool}"
+
+
+def shed_key(pool: str) -> str:
+    return f"shed:{pool}"
+
+
+def kv_key(pool: str) -> str:
+    return f"kv:{pool}"
+
+
+def obs_key(pool: str) -> str:
+    return f"obs:{pool}"
+
+
 class LeaseStore(Protocol):
     def acquire(self, pool: str, *, limit: int, n: int, ttl_s: float, settle: bool = True) -> list[str]: ...
     def renew(self, pool: str, lease_ids: list[str], *, ttl_s: float) -> None: ...
@@ -110,7 +142,11 @@ class RedisLeaseStore:
     def __init__(self, url: str, *, namespace: str = "backfill", settle_s: float = 0.0) -> None:
         import redis
 
-        self.r = redis.Redis.from_url(url, decode_responses=True)
+        # Bounded waits: a Redis that stops answering fails a call (which its caller handles as
+        # an outage) instead of hanging a drain or the loop.
+        self.r = redis.Redis.from_url(
+            url, decode_responses=True, socket_connect_timeout=2.0, socket_timeout=5.0, health_check_interval=30
+        )
         self.ns = namespace
         # The capacity lease TTL for the process-wide store (`get_lease_store`); 0 for a store
         # made for one test or tool, so a fresh namespace need not wait before its first grant.
@@ -275,3 +311,18 @@ def exclusive_lease(leases: LeaseStore, pool: str, *, ttl_s: float) -> Iterator[
         stop.set()
         keeper.join()
         leases.release(pool, ids)
+
+
+def released_limit(
+    store: LeaseStore, pool: str, *, controlled: bool, fixed_limit: int, floor: int, fallback_pool: str | None = None
+) -> int:
+    """The batch requests a pool may hold now: the fixed bound when the controller is off;
+    else what the controller published for the pool (or for `fallback_pool`, a model's pool's
+    deployment, when the model has no controller of its own), failing closed to the floor
+    when nothing fresh was published."""
+    if not controlled:
+        return fixed_limit
+    published = store.read(limit_key(pool))
+    if published is None and fallback_pool is not None:
+        published = store.read(limit_key(fallback_pool))
+    return int(published) if published is not None and published.isdigit() else floor

@@ -8,26 +8,21 @@ frontend's Prometheus metrics), the batch requests in flight (capacity leases he
 released lease limit over time, summed over the lease pools, and shows each pool beside: a
 deployment's, or one model's on a deployment serving several (`scheduler.fleet.routing`).
 
-The API may not import `scheduler`, where the lease store lives, so the lease gauges are read
-here from the store's documented layout (`storage/leases.py`): the pool is a Redis sorted set
-`backfill:lease:<pool>` scored by expiry and published values are `backfill:val:<name>`; in the
-embedded mode, rows of the `leases` table. A test holds this reader to the real store.
+The lease gauges are the lease store's own reads (`storage.leases`: a pool's count, the limit
+the controller published), by the names it gives pools and values.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 import httpx
 import redis
 from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from backfill.api.deps import CurrentPrincipal, DbSession
@@ -36,9 +31,8 @@ from backfill.api.protocol import DashboardBatch, DashboardBatches, DashboardTea
 from backfill.api.wire import batch_id_out, project_id_out, ts
 from backfill.jobs import batches as batch_service
 from backfill.jobs import teams as team_service
-from backfill.storage.db import unit_of_work
 from backfill.storage.fleet_models import get_catalog
-from backfill.storage.leases import Lease
+from backfill.storage.leases import LeaseStore, get_lease_store, pool_name, released_limit
 from backfill.storage.settings import Settings, get_settings
 
 ASSETS = Path(__file__).resolve().parent.parent / "dashboard"
@@ -50,10 +44,6 @@ _CSP = (
 )
 _PAGE_HEADERS = {"Content-Security-Policy": _CSP, "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
 
-# Mirrors `scheduler.capacity.admission` and `storage.leases` (see the module docstring).
-LEASE_NAMESPACE = "backfill"
-FLEET_POOL = "fleet"
-LIMIT_KEY = "limit:fleet"
 INFLIGHT_METRIC = "dynamo_frontend_inflight_requests"
 SCRAPE_TIMEOUT_S = 1.0
 SAMPLE_CACHE_S = 1.0  # many open dashboards cost the fleet one scrape a second
@@ -113,28 +103,17 @@ def dashboard_batches(principal: CurrentPrincipal, session: DbSession) -> Dashbo
 # -- Fleet load ---------------------------------------------------------------------------------
 
 
-@lru_cache
-def _redis(url: str) -> Any:
-    return redis.Redis.from_url(url, decode_responses=True, socket_timeout=1.0, socket_connect_timeout=1.0)
-
-
-def lease_gauges(
-    settings: Settings, *, namespace: str = LEASE_NAMESPACE, pool: str = FLEET_POOL, limit_key: str = LIMIT_KEY
-) -> tuple[int, str | None]:
-    """(leases held in the pool, the published limit or None), as the lease store keeps them."""
-    now = time.time()
-    if settings.redis_url:
-        r = _redis(settings.redis_url)
-        held = r.zcount(f"{namespace}:lease:{pool}", f"({now}", "+inf")
-        return int(held), r.get(f"{namespace}:val:{limit_key}")
-    with unit_of_work() as session:
-        held = session.execute(
-            select(func.count()).where(Lease.kind == f"pool:{pool}", Lease.expires_at > now)
-        ).scalar_one()
-        value = session.execute(
-            select(Lease.id).where(Lease.kind == f"val:{limit_key}", Lease.expires_at > now)
-        ).scalar_one_or_none()
-    return int(held), value[len(f"val:{limit_key}:") :] if value else None
+def lease_gauges(settings: Settings, store: LeaseStore, pool: str, fallback_pool: str | None = None) -> tuple[int, int]:
+    """(leases held in the pool, the limit released to it now), as admission reads them."""
+    limit = released_limit(
+        store,
+        pool,
+        controlled=settings.capacity_controlled,
+        fixed_limit=settings.max_inflight,
+        floor=settings.capacity_floor,
+        fallback_pool=fallback_pool,
+    )
+    return store.count(pool), limit
 
 
 def pool_names(settings: Settings) -> list[tuple[int, str | None, str]]:
@@ -142,12 +121,11 @@ def pool_names(settings: Settings) -> list[tuple[int, str | None, str]]:
     names them: a deployment's plain pool, or a pool per model where it serves several."""
     out: list[tuple[int, str | None, str]] = []
     for d, url in enumerate(settings.fleet_urls):
-        base = FLEET_POOL if d == 0 else f"{FLEET_POOL}:{d}"
         served = get_catalog().served_by(url)
         if served is None or len(served) < 2:
-            out.append((d, None, base))
+            out.append((d, None, pool_name(d)))
         else:
-            out += [(d, m, f"{base}/{m}") for m in sorted(served)]
+            out += [(d, m, pool_name(d, m)) for m in sorted(served)]
     return out
 
 
@@ -155,15 +133,13 @@ def pool_loads(settings: Settings) -> list[PoolLoad]:
     """Each pool's leases held and released limit (a model's pool without a controller of its
     own takes its deployment's), and its requests in flight at the frontend."""
     out = []
+    store = get_lease_store()
     frontends = [next((ep.url for ep in eps if ep.role == "frontend"), None) for eps in settings.fleet_metrics]
     for d, model, pool in pool_names(settings):
         held: int | None
         limit: int | None
         try:
-            held, published = lease_gauges(settings, pool=pool, limit_key=f"limit:{pool}")
-            if published is None and model is not None:
-                published = lease_gauges(settings, pool=pool, limit_key=f"limit:{pool.split('/', 1)[0]}")[1]
-            limit = released_limit(settings, published)
+            held, limit = lease_gauges(settings, store, pool, pool_name(d) if model is not None else None)
         except (redis.RedisError, SQLAlchemyError, OSError):
             held = limit = None
         url = frontends[d] if d < len(frontends) else None
@@ -178,13 +154,6 @@ def pool_loads(settings: Settings) -> list[PoolLoad]:
             )
         )
     return out
-
-
-def released_limit(settings: Settings, published: str | None) -> int:
-    """The limit admission applies now (as `scheduler.capacity.admission.Admission.limit`)."""
-    if not settings.capacity_controlled:
-        return settings.max_inflight
-    return int(published) if published is not None and published.isdigit() else settings.capacity_floor
 
 
 def frontend_metrics_urls(settings: Settings) -> list[str]:
@@ -238,8 +207,7 @@ def _sample(settings: Settings) -> FleetLoad:
     held: int | None
     limit: int | None
     try:
-        held, published = lease_gauges(settings)
-        limit = released_limit(settings, published)
+        held, limit = lease_gauges(settings, get_lease_store(), pool_name(0))
     except (redis.RedisError, SQLAlchemyError, OSError):
         held = limit = None  # the store is unreachable: the sample says so, the page shows a gap
     fleet = fleet_inflight(frontend_metrics_urls(settings))

@@ -32,39 +32,26 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from backfill.scheduler.fleet.routing import Pool
-from backfill.storage.leases import LeaseStore
+from backfill.storage.leases import (
+    FLEET_POOL,
+    RATE_KEY,
+    LeaseStore,
+    kv_key,
+    obs_key,
+    pool_name,
+    released_limit,
+    shed_key,
+)
 
-POOL = "fleet"
-LIMIT_KEY = "limit:fleet"
-SHED_KEY = "shed:fleet"
-RATE_KEY = "rate:fleet"  # batch tokens/s (prompt + output) the fleet currently gives batch work
-OBS_KEY = "obs:fleet"
 OVERLOAD_STATUS = frozenset({429, 503})
 
 
 def pool_of(deployment: int | Pool, model: str | None = None) -> str:
     """The lease pool of a deployment (by its index in `BACKFILL_FLEET_URLS`), or of one model's
-    pool on it."""
+    pool on it (`storage.leases` names them)."""
     if isinstance(deployment, Pool):
-        return pool_of(deployment.deployment, deployment.model)
-    base = POOL if deployment == 0 else f"{POOL}:{deployment}"
-    return base if model is None else f"{base}/{model}"
-
-
-def limit_key(deployment: int | Pool) -> str:
-    return f"limit:{pool_of(deployment)}"
-
-
-def shed_key(deployment: int | Pool) -> str:
-    return f"shed:{pool_of(deployment)}"
-
-
-def kv_key(deployment: int | Pool) -> str:
-    return f"kv:{pool_of(deployment)}"
-
-
-def obs_key(deployment: int | Pool) -> str:
-    return f"obs:{pool_of(deployment)}"
+        return pool_name(deployment.deployment, deployment.model)
+    return pool_name(deployment, model)
 
 
 @dataclass(frozen=True)
@@ -89,7 +76,7 @@ class ObservationLog:
     process sees what drains in worker processes saw. Without Redis (embedded mode) they stay in
     this process and the controller there relies on the fleet's telemetry alone."""
 
-    def __init__(self, store: LeaseStore, *, key: str = OBS_KEY) -> None:
+    def __init__(self, store: LeaseStore, *, key: str = obs_key(FLEET_POOL)) -> None:
         self._redis: Any = getattr(store, "r", None)
         self._key = f"{getattr(store, 'ns', 'backfill')}:{key}"
         self._lock = threading.Lock()
@@ -145,7 +132,7 @@ class Admission:
         self.floor = floor
         self.observer = observer
         self.deployments = max(1, deployments)
-        self.logs = [ObservationLog(leases, key=obs_key(d)) for d in range(self.deployments)]
+        self.logs = [ObservationLog(leases, key=obs_key(pool_of(d))) for d in range(self.deployments)]
         self.log = self.logs[0]
         # A model's pool on a deployment that serves several: what its lines observe steers that
         # model's controller (`scheduler.runtime.make_capacity_loop`), not the deployment's.
@@ -154,19 +141,21 @@ class Admission:
         self._turn = 0
 
     def limit(self, deployment: int | Pool = 0) -> int:
-        if not self.controlled:
-            return self.fixed_limit
-        published = self.leases.read(limit_key(deployment))
-        if published is None and isinstance(deployment, Pool) and deployment.model is not None:
-            published = self.leases.read(limit_key(deployment.deployment))  # no controller of its own
-        # Fail closed: with no fresh word from the controller, only the floor is released.
-        return int(published) if published is not None and published.isdigit() else self.floor
+        model_pool = isinstance(deployment, Pool) and deployment.model is not None
+        return released_limit(
+            self.leases,
+            pool_of(deployment),
+            controlled=self.controlled,
+            fixed_limit=self.fixed_limit,
+            floor=self.floor,
+            fallback_pool=pool_of(deployment.deployment) if isinstance(deployment, Pool) and model_pool else None,
+        )
 
     def shed_target(self, deployment: int | Pool = 0) -> int | None:
         """In-flight batch requests the controller wants at most, right now (None: no shedding)."""
         if not self.controlled:
             return None
-        published = self.leases.read(shed_key(deployment))
+        published = self.leases.read(shed_key(pool_of(deployment)))
         return int(published) if published is not None and published.isdigit() else None
 
     def kv_budget_tokens(self) -> int | None:
@@ -174,7 +163,7 @@ class Admission:
         whose controller published one (None: none did, so the claims size nothing by KV)."""
         if not self.controlled:
             return None
-        values = [self.leases.read(kv_key(d)) for d in range(self.deployments)]
+        values = [self.leases.read(kv_key(pool_of(d))) for d in range(self.deployments)]
         budgets = [int(v) for v in values if v is not None and v.isdigit()]
         return sum(budgets) if budgets else None
 
@@ -262,7 +251,7 @@ class Admission:
         if isinstance(deployment, Pool) and deployment.model is not None:
             pool_log = self.pool_logs.get(deployment)
             if pool_log is None:
-                pool_log = self.pool_logs[deployment] = ObservationLog(self.leases, key=obs_key(deployment))
+                pool_log = self.pool_logs[deployment] = ObservationLog(self.leases, key=obs_key(pool_of(deployment)))
             pool_log.record(obs)
         if self.observer is not None:
             self.observer(obs)

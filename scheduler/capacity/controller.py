@@ -14,20 +14,12 @@ import threading
 import time
 from collections.abc import Callable
 
-from backfill.scheduler.capacity.admission import (
-    RATE_KEY,
-    ObservationLog,
-    kv_key,
-    limit_key,
-    obs_key,
-    pool_of,
-    shed_key,
-)
+from backfill.scheduler.capacity.admission import ObservationLog, pool_of
 from backfill.scheduler.capacity.law import Controller, Decision, ObsDelta
 from backfill.scheduler.capacity.telemetry import FleetSnapshot, FleetTelemetry
 from backfill.scheduler.fleet.routing import Pool
 from backfill.scheduler.metrics import record_decision
-from backfill.storage.leases import LeaseStore
+from backfill.storage.leases import RATE_KEY, LeaseStore, kv_key, limit_key, obs_key, shed_key
 
 log = logging.getLogger("backfill.capacity")
 
@@ -54,7 +46,7 @@ class CapacityLoop:
         self.leases = leases
         self.deployment = deployment
         self.publish_rate = publish_rate
-        self.observations = observations or ObservationLog(leases, key=obs_key(deployment))
+        self.observations = observations or ObservationLog(leases, key=obs_key(pool_of(deployment)))
         self.on_decision = on_decision
         self._last_totals: dict[str, float] | None = None
         self._last_at = clock()
@@ -91,11 +83,11 @@ class CapacityLoop:
         decision = self.controller.step(snap, self.leases.count(pool_of(self.deployment)), obs, now)
         # The limit lives a few periods: if this loop stops, admission falls back to the floor.
         ttl = max(1.0, 4 * period)
-        self.leases.publish(limit_key(self.deployment), str(decision.limit), ttl_s=ttl)
+        self.leases.publish(limit_key(pool_of(self.deployment)), str(decision.limit), ttl_s=ttl)
         if self.controller.kv_budget_tokens:  # for the claims' prefix-group sizing (jobs.execution.claims)
-            self.leases.publish(kv_key(self.deployment), str(self.controller.kv_budget_tokens), ttl_s=60.0)
+            self.leases.publish(kv_key(pool_of(self.deployment)), str(self.controller.kv_budget_tokens), ttl_s=60.0)
         if decision.shed_to is not None:
-            self.leases.publish(shed_key(self.deployment), str(decision.shed_to), ttl_s=max(0.5, 2 * period))
+            self.leases.publish(shed_key(pool_of(self.deployment)), str(decision.shed_to), ttl_s=max(0.5, 2 * period))
         if self.publish_rate:
             self.leases.publish(RATE_KEY, f"{self._rate:.1f}", ttl_s=60.0)
         record_decision(decision)
@@ -120,8 +112,8 @@ class CapacityLoop:
         """Take back the published limit and shed target at once (rather than let them lapse a few
         periods later): with no controller, admission falls back to the floor (fail closed)."""
         try:
-            self.leases.withdraw(limit_key(self.deployment))
-            self.leases.withdraw(shed_key(self.deployment))
+            self.leases.withdraw(limit_key(pool_of(self.deployment)))
+            self.leases.withdraw(shed_key(pool_of(self.deployment)))
             log.info("capacity controller stopped: limit withdrawn, admission falls back to the floor")
         except Exception:
             log.warning(

@@ -46,7 +46,7 @@ from backfill.scheduler.fleet.n_expansion import post_request
 from backfill.scheduler.fleet.routing import FleetRoutes, Pool
 from backfill.scheduler.metrics import record_fleet_reply
 from backfill.storage.db import is_transient
-from backfill.storage.leases import LeaseStore
+from backfill.storage.leases import DRAIN_POOL, LeaseStore
 from backfill.storage.objects import ObjectStore
 
 log = logging.getLogger("backfill.dispatch")
@@ -56,7 +56,7 @@ CLAIM_GROUP = 32
 SLOT_WAIT_S, SLOT_POLL_S = 1.0, 0.05
 # How long a drain with nothing to do stays, and how often it looks for work meanwhile (`Dispatcher._idle`).
 IDLE_LINGER_S, IDLE_POLL_S = 2.0, 0.05
-DRAIN_POOL = "drains"
+
 UNSHEDDABLE = -1  # the shedding key of escalated calls: no controller's shed target aborts them
 
 

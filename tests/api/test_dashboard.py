@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from backfill.api.routes import dashboard
-from backfill.storage.leases import RedisLeaseStore, SqlLeaseStore
+from backfill.storage.leases import RedisLeaseStore, SqlLeaseStore, limit_key
 from backfill.storage.settings import Settings, get_settings
 from tests.api.conftest import ApiEnv, CheckedClient, Team
 from tests.api.test_batches import create
@@ -68,34 +68,36 @@ def test_fleet_sample_without_a_readable_fleet(api: CheckedClient, team: Team) -
 
 @pytest.mark.parametrize("store_kind", ["redis", "sql"])
 def test_lease_gauges_read_what_the_lease_store_holds(store_kind: str, api_env: ApiEnv) -> None:
-    # Short names: the SQL store keeps the kind in a 16-character column.
-    pool, limit_key, namespace = f"p{secrets.token_hex(3)}", f"l:{secrets.token_hex(3)}", "bf-dash-test"
+    # Short names: the SQL store keeps the kind in its column.
+    pool, namespace = f"p{secrets.token_hex(3)}", "bf-dash-test"
     if store_kind == "redis":
         store: RedisLeaseStore | SqlLeaseStore = RedisLeaseStore(api_env.redis_url, namespace=namespace)
-        settings = Settings(redis_url=api_env.redis_url)
     else:
-        store, settings = SqlLeaseStore(), Settings(redis_url="")
+        store = SqlLeaseStore()
+    controlled = Settings(capacity_control=True, capacity_floor=2)
 
-    def gauges() -> tuple[int, str | None]:
-        return dashboard.lease_gauges(settings, namespace=namespace, pool=pool, limit_key=limit_key)
+    def gauges() -> tuple[int, int]:
+        return dashboard.lease_gauges(controlled, store, pool)
 
-    assert gauges() == (0, None)
+    assert gauges() == (0, 2)  # nothing published: the floor, as admission fails closed
     held = store.acquire(pool, limit=10, n=3, ttl_s=30)
     store.acquire(pool, limit=10, n=2, ttl_s=0.2)  # lapses at once
-    store.publish(limit_key, "7", ttl_s=30)
+    store.publish(limit_key(pool), "7", ttl_s=30)
     time.sleep(0.3)
-    assert gauges() == (3, "7")
+    assert gauges() == (3, 7)
+    assert dashboard.lease_gauges(Settings(capacity_control=False, max_inflight=64), store, pool) == (3, 64)
     store.release(pool, held)
-    store.withdraw(limit_key)
-    assert gauges() == (0, None)
+    store.withdraw(limit_key(pool))
+    assert gauges() == (0, 2)
 
 
-def test_released_limit_follows_admission() -> None:
-    fixed = Settings(capacity_control=False, max_inflight=64)
-    controlled = Settings(capacity_control=True, capacity_floor=2)
-    assert dashboard.released_limit(fixed, "9") == 64  # a fixed bound ignores what is published
-    assert dashboard.released_limit(controlled, "9") == 9
-    assert dashboard.released_limit(controlled, None) == 2  # fail closed to the floor, as admission does
+def test_a_model_pool_without_a_controller_takes_its_deployments_limit(api_env: ApiEnv) -> None:
+    store = RedisLeaseStore(api_env.redis_url, namespace=f"bf-dash-{secrets.token_hex(3)}")
+    controlled = Settings(capacity_control=True, capacity_floor=1)
+    store.publish(limit_key("fleet"), "5", ttl_s=30)
+    assert dashboard.lease_gauges(controlled, store, "fleet/m", fallback_pool="fleet") == (0, 5)
+    store.publish(limit_key("fleet/m"), "3", ttl_s=30)
+    assert dashboard.lease_gauges(controlled, store, "fleet/m", fallback_pool="fleet") == (0, 3)
 
 
 def test_frontend_metrics_are_found_and_summed() -> None:

@@ -21,11 +21,11 @@ import httpx
 import orjson
 import pytest
 
-from backfill.scheduler.capacity.admission import LIMIT_KEY, POOL, Admission
+from backfill.scheduler.capacity.admission import Admission
 from backfill.scheduler.capacity.controller import CapacityLoop
 from backfill.scheduler.capacity.law import ControlConfig, Controller, Decision, Slo
 from backfill.scheduler.capacity.telemetry import FleetTelemetry
-from backfill.storage.leases import RedisLeaseStore
+from backfill.storage.leases import FLEET_POOL, RedisLeaseStore, limit_key
 from backfill.storage.settings import MetricsEndpoint as Endpoint
 from tests.conftest import ROOT
 from tests.process_env import scratch_database
@@ -280,7 +280,7 @@ def test_leases_of_a_killed_worker_lapse(
     try:
         deadline = time.monotonic() + 30
         holders: list[str] = []
-        while leases.count(POOL) < 8 or not holders:
+        while leases.count(FLEET_POOL) < 8 or not holders:
             assert proc.poll() is None and time.monotonic() < deadline, "the drain never took its leases"
             time.sleep(0.2)
             with unit_of_work() as s:
@@ -290,8 +290,8 @@ def test_leases_of_a_killed_worker_lapse(
         os.killpg(proc.pid, signal.SIGKILL)  # no goodbye: nothing gets released
         proc.wait()
     killed = time.monotonic()
-    assert leases.count(POOL) == 8  # still held: nobody released them
-    while leases.count(POOL) > 0:
+    assert leases.count(FLEET_POOL) == 8  # still held: nobody released them
+    while leases.count(FLEET_POOL) > 0:
         assert time.monotonic() - killed < 4.0, "leases outlived their TTL"
         time.sleep(0.05)
     assert time.monotonic() - killed >= 0.5  # they lapsed by TTL, not by a release
@@ -309,7 +309,7 @@ def test_leases_of_a_killed_worker_lapse(
                 break
         assert time.monotonic() < deadline, "the dead drain's lines were never reclaimed"
         time.sleep(0.3)
-    assert len(leases.acquire(POOL, limit=8, n=8, ttl_s=1.0)) == 8
+    assert len(leases.acquire(FLEET_POOL, limit=8, n=8, ttl_s=1.0)) == 8
 
 
 # -- the controller ---------------------------------------------------------------------------
@@ -378,10 +378,10 @@ def test_no_telemetry_no_batch_work_beyond_the_floor(db: str, busy_fleet: Any, l
         # Requests already in flight finish (how long they take is the machine's, so wait for
         # them rather than a fixed time); then nothing new goes beyond the floor.
         deadline = time.monotonic() + 30.0
-        while leases.count(POOL) > 2 and time.monotonic() < deadline:
+        while leases.count(FLEET_POOL) > 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         blind_from = time.time()
-        held = sample(lambda: leases.count(POOL), 4.0)
+        held = sample(lambda: leases.count(FLEET_POOL), 4.0)
         done_before = counts(batch)[batch]
         time.sleep(1.0)
         assert counts(batch)[batch] > done_before  # the floor still trickles work through
@@ -389,7 +389,7 @@ def test_no_telemetry_no_batch_work_beyond_the_floor(db: str, busy_fleet: Any, l
     assert {d.reason for t, d in control.decisions if t >= blind_from} == {"no-telemetry"}
     # And with the controller gone altogether, its word lapses: admission falls back to the floor.
     time.sleep(1.2)
-    assert leases.read(LIMIT_KEY) is None and admission.limit() == 2
+    assert leases.read(limit_key(FLEET_POOL)) is None and admission.limit() == 2
     retire(batch)
 
 

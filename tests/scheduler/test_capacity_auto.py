@@ -14,12 +14,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from backfill.devfleet.processes import free_port
-from backfill.scheduler.capacity.admission import Admission, limit_key
+from backfill.scheduler.capacity.admission import Admission, pool_of
 from backfill.scheduler.capacity.controller import CapacityLoop, DecisionLog
 from backfill.scheduler.capacity.law import ControlConfig, Controller, ObsDelta, Slo
 from backfill.scheduler.capacity.telemetry import KvModel
 from backfill.scheduler.runtime import control_config, make_capacity_loop
-from backfill.storage.leases import RedisLeaseStore
+from backfill.storage.leases import RedisLeaseStore, limit_key
 from backfill.storage.settings import Settings
 from tests.scheduler.test_capacity import snap
 
@@ -94,7 +94,7 @@ def test_the_scheduler_loop_publishes_the_fixed_bound_and_warns_until_the_fleet_
     with caplog.at_level(logging.WARNING, logger="backfill.scheduler.capacity.controller"):
         for _ in range(3):  # nothing listens on the metrics port yet
             say(0, loop.once())
-    assert admission.limit() == 24 and leases.read(limit_key(0)) == "24"
+    assert admission.limit() == 24 and leases.read(limit_key(pool_of(0))) == "24"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "fixed bound 24" in warnings[0] and str(metrics_port) in warnings[0]
 
@@ -107,7 +107,7 @@ def test_the_scheduler_loop_publishes_the_fixed_bound_and_warns_until_the_fleet_
             reasons.add(d.reason)
             time.sleep(0.05)
         assert "unseen" not in reasons and "no-telemetry" not in reasons, reasons
-        assert admission.limit() == int(leases.read(limit_key(0)) or -1) != 24
+        assert admission.limit() == int(leases.read(limit_key(pool_of(0))) or -1) != 24
     finally:
         server.shutdown()
         server.server_close()

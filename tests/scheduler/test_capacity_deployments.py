@@ -9,12 +9,12 @@ import secrets
 import time
 from collections.abc import Callable
 
-from backfill.scheduler.capacity.admission import Admission, limit_key, pool_of, shed_key
+from backfill.scheduler.capacity.admission import Admission, pool_of
 from backfill.scheduler.capacity.controller import CapacityLoop, FleetCapacityLoop
 from backfill.scheduler.capacity.law import ControlConfig, Controller, Slo
 from backfill.scheduler.capacity.telemetry import FleetSnapshot
 from backfill.scheduler.fleet.routing import Pool
-from backfill.storage.leases import RedisLeaseStore
+from backfill.storage.leases import RedisLeaseStore, limit_key, shed_key
 from tests.scheduler.test_capacity import snap
 
 SLO = Slo(ttft_s=0.2, itl_s=0.020)
@@ -67,10 +67,10 @@ def test_a_busy_deployment_does_not_throttle_an_idle_one(redis_url: str) -> None
     assert a <= 2, f"A's limit should have fallen to the floor, is {a}"
     assert b >= 30, f"B's limit should have grown while A was cut, is {b}"
     assert len(held[0]) <= 2 and len(held[1]) == b
-    assert leases.read(limit_key(0)) == str(a) and leases.read(limit_key(1)) == str(b)
-    assert leases.read(shed_key(1)) is None  # B was never asked to shed
+    assert leases.read(limit_key(pool_of(0))) == str(a) and leases.read(limit_key(pool_of(1))) == str(b)
+    assert leases.read(shed_key(pool_of(1))) is None  # B was never asked to shed
     fleet.withdraw()
-    assert leases.read(limit_key(0)) is None and leases.read(limit_key(1)) is None
+    assert leases.read(limit_key(pool_of(0))) is None and leases.read(limit_key(pool_of(1))) is None
     assert admission.limit(1) == 1  # fail closed on each deployment
 
 

@@ -16,14 +16,14 @@ from typing import Any
 
 from backfill.jobs.files import file_key
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, RequestState, Team, utcnow
-from backfill.scheduler.capacity.admission import LIMIT_KEY, Admission
+from backfill.scheduler.capacity.admission import Admission
 from backfill.scheduler.capacity.controller import CapacityLoop
 from backfill.scheduler.capacity.law import ControlConfig, Controller, Slo
 from backfill.scheduler.capacity.telemetry import FleetTelemetry
 from backfill.scheduler.drain.dispatcher import Dispatcher
 from backfill.scheduler.fleet.client import FleetClient
 from backfill.storage.db import unit_of_work
-from backfill.storage.leases import RedisLeaseStore
+from backfill.storage.leases import FLEET_POOL, RedisLeaseStore, limit_key
 from backfill.storage.objects import get_object_store
 from backfill.storage.settings import parse_metrics_endpoints
 from tests.scheduler.test_reclaim import lines_of
@@ -147,14 +147,14 @@ def test_a_stopping_controller_withdraws_its_limit(redis_url: str) -> None:
     thread = threading.Thread(target=loop.run, args=(stop,))
     thread.start()
     deadline = time.monotonic() + 5
-    while leases.read(LIMIT_KEY) is None:
+    while leases.read(limit_key(FLEET_POOL)) is None:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert leases.read(LIMIT_KEY) == "2"
+    assert leases.read(limit_key(FLEET_POOL)) == "2"
     stop.set()
     thread.join(timeout=5)
     # Gone at once, not a few periods later: a stopped controller publishes nothing.
-    assert leases.read(LIMIT_KEY) is None
+    assert leases.read(limit_key(FLEET_POOL)) is None
 
 
 def test_a_claim_group_spanning_batches_sends_each_line_its_own_body(

@@ -9,14 +9,14 @@ import secrets
 
 import pytest
 
-from backfill.scheduler.capacity.admission import Admission, limit_key, pool_of
+from backfill.scheduler.capacity.admission import Admission, pool_of
 from backfill.scheduler.capacity.controller import CapacityLoop, FleetCapacityLoop
 from backfill.scheduler.capacity.law import ControlConfig, Controller
 from backfill.scheduler.capacity.telemetry import only_model
 from backfill.scheduler.fleet.routing import FleetRoutes, Pool
 from backfill.scheduler.runtime import make_capacity_loop
 from backfill.storage.fleet_models import ModelCatalog
-from backfill.storage.leases import RedisLeaseStore
+from backfill.storage.leases import RedisLeaseStore, limit_key
 from backfill.storage.settings import MetricsEndpoint, Settings, parse_fleet_models, parse_metrics_endpoints
 from tests.scheduler.test_capacity_deployments import SLO, FakeTelemetry
 
@@ -104,8 +104,8 @@ def test_a_controller_per_model_cuts_only_the_busy_models_limit(redis_url: str) 
     a, b = admission.limit(Pool(0, A)), admission.limit(Pool(0, B))
     assert a <= 2, f"A's limit should have fallen to the floor, is {a}"
     assert b >= 30, f"B's limit should have grown to its ceiling while A was cut, is {b}"
-    assert leases.read(limit_key(Pool(0, B))) == str(b)
-    assert leases.read(limit_key(0)) is None  # the deployment itself has no controller of its own
+    assert leases.read(limit_key(pool_of(Pool(0, B)))) == str(b)
+    assert leases.read(limit_key(pool_of(0))) is None  # the deployment itself has no controller of its own
     fleet.withdraw()
 
 

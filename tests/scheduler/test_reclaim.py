@@ -13,11 +13,10 @@ import pytest
 
 from backfill.jobs.execution.results import ATTEMPTS_EXCEEDED
 from backfill.jobs.models import Batch, BatchRequest, RequestState
-from backfill.scheduler.drain.dispatcher import DRAIN_POOL
 from backfill.scheduler.ticker import Reconciler, Ticker
 from backfill.storage.broker import TaskName
 from backfill.storage.db import unit_of_work
-from backfill.storage.leases import RedisLeaseStore, SqlLeaseStore
+from backfill.storage.leases import DRAIN_POOL, RedisLeaseStore, SqlLeaseStore
 from tests.factories import make_batch, make_team
 from tests.process_env import scratch_database
 
