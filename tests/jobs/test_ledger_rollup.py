@@ -145,8 +145,8 @@ def test_a_retention_pass_retires_a_few_batches_each_in_its_own_transaction(
     passes = [run_retention(counted, store, policy=policy, now=later) for _ in range(4)]
     assert [(p.retired, p.body_batches, p.ledgers) for p in passes] == [(2, 2, 2), (2, 2, 2), (1, 1, 1), (0, 0, 0)]
     # Per pass: one to list the batches, one per batch retired, one to list the files to purge
-    # (none here; the empty store has no orphans to look up).
-    assert len(transactions) == (1 + 2 + 1) + (1 + 2 + 1) + (1 + 1 + 1) + (1 + 0 + 1)
+    # and one to find uploads to clean up (none here; the empty store has no orphans to look up).
+    assert len(transactions) == (1 + 2 + 2) + (1 + 2 + 2) + (1 + 1 + 2) + (1 + 0 + 2)
     with db() as s:
         assert s.execute(select(func.count()).select_from(BatchRequest)).scalar_one() == 0
         assert s.execute(select(func.count()).where(Batch.ledger_rolled_up_at.is_(None))).scalar_one() == 0
