@@ -70,7 +70,10 @@ class Up:
         assert any("dynamo.frontend" in " ".join(p.cmdline()) for p in tree), [p.cmdline() for p in tree]
         self.proc.send_signal(signal.SIGINT)
         self.proc.wait(timeout=STOP_GRACE_S + STOP_MARGIN_S)
-        left = lambda: [f"{p.pid} {' '.join(p.cmdline()[:4])}" for p in tree if _running(p)]  # noqa: E731
+
+        def left() -> list[str]:
+            return [f"{p.pid} {' '.join(p.cmdline()[:4])}" for p in tree if _running(p)]
+
         wait_until(lambda: f"still running: {left()}", lambda: not left(), STOP_MARGIN_S)
 
     def kill(self) -> None:
@@ -83,7 +86,7 @@ class Up:
 
 def _running(p: psutil.Process) -> bool:
     try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        return bool(p.is_running() and p.status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
         return False
 
