@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -115,57 +113,14 @@ def scheduler(
     """Run the scheduler loop (expiry, cancellation, reclaim, finalization, drains) and, with
     BACKFILL_CAPACITY_CONTROL on, the capacity controller that publishes the lease limit. Run
     two or more for a standby: one replica leads (a leader lease), the others wait to take over."""
-    from backfill.jobs.retention import RetentionPolicy
-    from backfill.scheduler.leadership import AliveFile, FencedLeases, lead_while_leader, leader_lease
-    from backfill.scheduler.ticker import Ticker
-    from backfill.storage.broker import send_task
-    from backfill.storage.leases import get_lease_store
+    from backfill.scheduler.runtime import run_scheduler
     from backfill.storage.settings import get_settings
 
     _logging()
-    s = get_settings()
     stopping = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stopping.update(flag=True))
-    lease = leader_lease(s)
-
-    def lead(deposed: Callable[[], bool]) -> None:
-        # A fresh ticker each term: what a previous term saw missing is stale now.
-        ticker = Ticker(
-            leases=get_lease_store(),
-            enqueue=send_task,
-            drains=s.drains,
-            retention_policy=RetentionPolicy(
-                orphan_grace_s=s.orphan_grace_s, result_body_grace_s=s.result_body_retention_s
-            ),
-            retention_interval_s=s.retention_interval_s,
-        )
-        # The capacity controller beside the ticker, publishing only while this replica leads: if
-        # the process dies, the limit it published lapses and admission falls back to the floor.
-        control_stop = threading.Event()
-        control: threading.Thread | None = None
-        if s.capacity_controlled:
-            from backfill.scheduler.runtime import make_capacity_loop
-
-            loop = make_capacity_loop(s, leases=FencedLeases(get_lease_store(), lease))
-            control = threading.Thread(target=loop.run, args=(control_stop,), name="capacity", daemon=True)
-            control.start()
-        try:
-            ticker.run_forever(s.tick_interval_s, stop=deposed)
-        finally:
-            # The next term starts only once this term's controller has stopped (its writes are
-            # fenced to this term's token anyway).
-            control_stop.set()
-            if control is not None:
-                control.join()
-
     try:
-        lead_while_leader(
-            lease,
-            lead,
-            stop=lambda: stopping["flag"],
-            progress_timeout_s=s.scheduler_progress_timeout_s,
-            alive=AliveFile(alive_file) if alive_file else lambda: None,
-        )
+        run_scheduler(get_settings(), stop=lambda: stopping["flag"], alive_file=alive_file)
     except KeyboardInterrupt:
         pass
     # Its lease released and every tick's work committed: no interpreter finalizers (tearing down

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from collections.abc import Callable
 from functools import lru_cache
+from pathlib import Path
 from typing import Protocol
 
 from backfill.jobs.models import utcnow
+from backfill.jobs.retention import RetentionPolicy
 from backfill.jobs.sweeps import PendingBatch, pending_batches
 from backfill.jobs.teams import team_weights
 from backfill.scheduler.capacity.admission import Admission
 from backfill.scheduler.capacity.controller import CapacityLoop, FleetCapacityLoop
 from backfill.scheduler.capacity.law import ControlConfig, Controller, Slo
 from backfill.scheduler.capacity.telemetry import FleetTelemetry, KvModel
+from backfill.scheduler.drain.dispatcher import Dispatcher
 from backfill.scheduler.drain.escalation import (
     EscalatedRelease,
     Escalation,
@@ -23,10 +28,15 @@ from backfill.scheduler.drain.escalation import (
     escalated_plan,
 )
 from backfill.scheduler.drain.policy import FairPlanner, PolicyConfig
+from backfill.scheduler.fleet.client import FleetClient
 from backfill.scheduler.fleet.routing import FleetRoutes, Pool
+from backfill.scheduler.leadership import AliveFile, FencedLeases, lead_while_leader, leader_lease
+from backfill.scheduler.ticker import Ticker
+from backfill.storage.broker import send_task
 from backfill.storage.db import unit_of_work
 from backfill.storage.fleet_models import get_catalog
 from backfill.storage.leases import LeaseStore, get_lease_store
+from backfill.storage.objects import get_object_store
 from backfill.storage.settings import Settings, get_settings
 
 
@@ -220,3 +230,86 @@ def make_routes(s: Settings | None = None) -> FleetRoutes:
     order), from the process's model catalog."""
     s = s or get_settings()
     return FleetRoutes([*s.fleet_urls, *s.overflow_urls], get_catalog().served_by, refresh_s=min(5.0, s.models_cache_s))
+
+
+async def run_drain(s: Settings, *, shutdown: threading.Event, on_all_recorded: Callable[[str], None]) -> int:
+    """One drain, built from the settings: the fleet client over the deployments that serve each
+    model, admission, the planner and escalation, then a time slice of releasing lines."""
+    leases = get_lease_store()
+    routes = make_routes(s)  # which deployments serve which model: a line goes only to those
+    fleet = FleetClient(
+        s.fleet_urls,
+        timeout_s=s.fleet_timeout_s,
+        api_key=s.fleet_api_key,
+        redis_url=s.redis_url,
+        overflow_urls=s.overflow_urls,
+        overflow_api_key=s.overflow_api_key,
+        routes=routes,
+    )
+    try:
+        admission = get_admission()
+        planner = make_planner()
+        dispatcher = Dispatcher(
+            store=get_object_store(),
+            leases=leases,
+            admission=admission,
+            # The KV the controller's model leaves to batch work: prefix groups and agent
+            # sessions start only while what is in flight fits it (jobs.execution.claims).
+            kv_budget_tokens=await asyncio.to_thread(admission.kv_budget_tokens),
+            fleet=fleet,
+            planner=planner,
+            escalation=make_escalation(planner, leases),
+            routes=routes,
+            pending_models=planner.pending_models,
+            max_attempts=s.max_attempts,
+            hint_mode=s.fleet_priority_hint,
+            shutdown=shutdown,
+            grace_s=s.drain_grace_s,
+            db_patience_s=s.db_outage_patience_s,
+            on_all_recorded=on_all_recorded,
+        )
+        return await dispatcher.run(s.drain_slice_s, max_drains=s.drains)
+    finally:
+        await fleet.aclose()
+
+
+def run_scheduler(s: Settings, *, stop: Callable[[], bool], alive_file: Path | None = None) -> None:
+    """The scheduler process: lead while this replica holds the leader lease (the loop, and the
+    capacity controller beside it), stand by otherwise, until `stop` says so."""
+    lease = leader_lease(s)
+
+    def lead(deposed: Callable[[], bool]) -> None:
+        # A fresh ticker each term: what a previous term saw missing is stale now.
+        ticker = Ticker(
+            leases=get_lease_store(),
+            enqueue=send_task,
+            drains=s.drains,
+            retention_policy=RetentionPolicy(
+                orphan_grace_s=s.orphan_grace_s, result_body_grace_s=s.result_body_retention_s
+            ),
+            retention_interval_s=s.retention_interval_s,
+        )
+        # The capacity controller beside the ticker, publishing only while this replica leads: if
+        # the process dies, the limit it published lapses and admission falls back to the floor.
+        control_stop = threading.Event()
+        control: threading.Thread | None = None
+        if s.capacity_controlled:
+            loop = make_capacity_loop(s, leases=FencedLeases(get_lease_store(), lease))
+            control = threading.Thread(target=loop.run, args=(control_stop,), name="capacity", daemon=True)
+            control.start()
+        try:
+            ticker.run_forever(s.tick_interval_s, stop=deposed)
+        finally:
+            # The next term starts only once this term's controller has stopped (its writes are
+            # fenced to this term's token anyway).
+            control_stop.set()
+            if control is not None:
+                control.join()
+
+    lead_while_leader(
+        lease,
+        lead,
+        stop=stop,
+        progress_timeout_s=s.scheduler_progress_timeout_s,
+        alive=AliveFile(alive_file) if alive_file else lambda: None,
+    )

@@ -40,7 +40,7 @@ class ValidationResult:
 @dataclass
 class LineScan:
     """What one pass over a run of lines found, before the whole-file checks (`finish_validation`).
-    A file is one run, or several scanned apart and merged (`scheduler.validation_pool`)."""
+    A file is one run, or several scanned apart and merged (`scheduler.validation.pool`)."""
 
     result: ValidationResult
     seen_ids: SeenIds = field(default_factory=SeenIds)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from backfill.jobs.validation.scan import Limits, ValidationResult, finish_validation, validate_lines
-from backfill.scheduler import validation_pool as vp
+from backfill.scheduler.validation import pool as vp
 from backfill.storage.objects import LocalObjectStore, ObjectStore, S3ObjectStore
 
 CHAT = "/v1/chat/completions"

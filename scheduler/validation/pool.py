@@ -103,7 +103,7 @@ class ScannerFailed(Exception):
 
 
 def _start_scanner(args: tuple[object, ...]) -> subprocess.Popen[bytes]:
-    """A scanner is a fresh interpreter (`python -m scheduler.validation_pool`) given its range as
+    """A scanner is a fresh interpreter (`python -m scheduler.validation.pool`) given its range as
     a pickle on stdin: not a multiprocessing child, which Celery's daemonic pool processes may
     not have, nor a fork of a worker that may hold other threads' locks."""
     proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -236,8 +236,8 @@ def _shifted(error: BatchError, lines: int) -> BatchError:
 
 
 if __name__ == "__main__":  # a scanner: see _start_scanner
-    # Through the module's own name, so what is pickled names `scheduler.validation_pool`, not `__main__`.
-    from backfill.scheduler.validation_pool import packed_scan_range
+    # Through the module's own name, so what is pickled names `scheduler.validation.pool`, not `__main__`.
+    from backfill.scheduler.validation.pool import packed_scan_range
 
     scan = packed_scan_range(*pickle.load(sys.stdin.buffer))
     sys.stdout.buffer.write(pickle.dumps(scan, protocol=5))

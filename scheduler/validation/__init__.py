@@ -1,0 +1,1 @@
+"""Validating a batch: the use case (`batch`) and its process pool for large files (`pool`)."""
