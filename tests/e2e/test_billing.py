@@ -269,7 +269,9 @@ def test_bill_reconciles_across_crashes_and_retries(
 
     # Batch 2 runs while the backfill worker is SIGKILLed and restarted, then a fleet worker dies
     # (requests routed to it come back 503 and are retried: forced retries).
-    lines = [chat_line(i, max_tokens=8 + i % 5, prefix=PREFIX) for i in range(300)]
+    # Long enough answers that the batch is still running when its worker is killed (small
+    # batches now turn around in well under a second).
+    lines = [chat_line(i, max_tokens=300 + i % 5, prefix=PREFIX) for i in range(300)]
     f2 = upload(client, jsonl(lines))
     b2 = client.batches.create(input_file_id=f2.id, endpoint="/v1/chat/completions", completion_window="24h")
     # A new price version after creation must not reach batch 2: it is billed at the old one.
@@ -280,6 +282,7 @@ def test_bill_reconciles_across_crashes_and_retries(
     killed_at = _counts(client, b2.id)
     time.sleep(1.0)
     stack.start("worker")
+    assert killed_at.completed + killed_at.failed < len(lines), "the worker should die mid-batch"
     _wait_completed(client, b2.id, killed_at.completed + 10)  # the new worker is sending
     fleet.kill_worker(0)
     deadline = time.monotonic() + 20
