@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Select, or_, select, update
+from sqlalchemy import Select, and_, or_, select, update
 from sqlalchemy.orm import Session, aliased
 
 from backfill.jobs.execution.prefixes import PREFIX_WARM_S
@@ -47,15 +47,18 @@ def claim_requests(
     """Move up to `limit` pending lines of one batch to running under `claim_token`.
 
     Lines go in prefix-tree order (`jobs.execution.prefixes`): the requests under one prefix together,
-    a prompt before the prompts extending it, and a line whose `after_line` has not finished
-    waits (an agent trace's turns run one after another). A prefix new to the fleet goes with
-    one line first, the others once it has warmed the cache (PREFIX_WARM_S). Lines under a
+    a prompt before the prompts extending it, and a line whose `after_line` (an agent trace's
+    previous turn) has not been in flight for PREFIX_WARM_S waits: by then that turn's prompt is
+    cached, and a line of a batch is a request of its own, so the turn need not wait for the
+    previous one's reply (which would hold each session to one request at a time). A prefix new
+    to the fleet goes with one line first, the others once it has warmed the cache. Lines under a
     prefix that the team's other running batches of the same model have in flight go first, so
     batches sharing prefixes share the cache too. With `kv_budget_tokens` (the fleet's KV cache
     open to batch work), new sharing work (a prefix group, an agent session) starts only while
     what is in flight fits it (each shared prefix counted once, plus each line's own tokens,
-    plus the context of every session between two turns); lines sharing nothing are not held
-    back. The batches and how many lines each get are the planner's choice, made before.
+    each agent session once at its largest context however many of its turns are in flight or
+    between two turns); lines sharing nothing are not held back. The batches and how many lines
+    each get are the planner's choice, made before.
     """
     now = now or utcnow()
     # FOR KEY SHARE: claims do not wait on each other or on recorded results, but an expiry
@@ -76,7 +79,7 @@ def claim_requests(
     footprint = _InFlight.load(session, team_id=batch.team_id, model=batch.model, now=now)
     if kv_budget_tokens is not None:
         waiting = _ready(session, batch_id=batch_id, now=now, bound=bound, continuations=True)
-        footprint.reserve(session.execute(waiting.limit(SCAN_LINES)))
+        footprint.reserve(batch_id, session.execute(waiting.limit(SCAN_LINES)))
     hot = footprint.hot_prefixes
     picked: list[_Candidate] = []
     if hot:
@@ -149,14 +152,21 @@ def _ready(
     session: Session, *, batch_id: str, now: datetime, bound: int | None, continuations: bool = False
 ) -> Select[int, str, int, int, int | None]:
     """Pending lines of a batch that may run now, in prefix-tree order (with `continuations`,
-    only those waiting for nothing but a free slot after their previous turn finished)."""
+    only the next turns of sessions whose previous turn has warmed the cache or finished)."""
     previous = aliased(BatchRequest)
-    previous_unfinished = (
+    warmed_before = now - timedelta(seconds=PREFIX_WARM_S)
+    previous_unfinished = (  # pending, or sent too recently for its prompt to be cached yet
         select(previous.line)
         .where(
             previous.batch_id == BatchRequest.batch_id,
             previous.line == BatchRequest.after_line,
-            previous.state.in_([RequestState.pending, RequestState.running]),
+            or_(
+                previous.state == RequestState.pending,
+                and_(
+                    previous.state == RequestState.running,
+                    or_(previous.claimed_at.is_(None), previous.claimed_at > warmed_before),
+                ),
+            ),
         )
         .exists()
     )
@@ -214,18 +224,24 @@ def _locked(session: Session, pick: Select[int, str, int, int, int | None]) -> l
 @dataclass
 class _InFlight:
     """The KV that batch work holds in the fleet's cache: each shared prefix once, plus every
-    running line's own tokens (a session's turn: up to the session's largest context)."""
+    running line's own tokens. An agent session counts once, at its largest context (every
+    turn's `kv_tokens`), however many of its turns are in flight: they extend one another, so
+    the engine holds their common blocks once."""
 
     prefixes: dict[str, int]
     own_tokens: int
     hot_prefixes: list[str]  # shared prefixes in flight for the same team and model
     warm: set[str]  # shared prefixes in flight whose blocks the fleet has had time to cache
+    running: set[tuple[str, int]] = field(default_factory=set)  # (batch, line) in flight
     reserved: set[int] = field(default_factory=set)  # lines of this batch counted already
 
     @classmethod
     def load(cls, session: Session, *, team_id: str, model: str | None, now: datetime) -> _InFlight:
         rows = session.execute(
             select(
+                BatchRequest.batch_id,
+                BatchRequest.line,
+                BatchRequest.after_line,
                 BatchRequest.prefix_hash,
                 BatchRequest.prefix_tokens,
                 BatchRequest.kv_tokens,
@@ -235,13 +251,16 @@ class _InFlight:
             )
             .join(Batch, Batch.id == BatchRequest.batch_id)
             .where(BatchRequest.state == RequestState.running)
-        )
+        ).all()
+        running = {(batch_id, line) for batch_id, line, *_ in rows}
         prefixes: dict[str, int] = {}
         hot: dict[str, None] = {}
         warm: set[str] = set()
         own = 0
         warmed_before = now - timedelta(seconds=PREFIX_WARM_S)
-        for prefix_hash, prefix_tokens, kv_tokens, claimed_at, team, row_model in rows:
+        for batch_id, _, after_line, prefix_hash, prefix_tokens, kv_tokens, claimed_at, team, row_model in rows:
+            if after_line is not None and (batch_id, after_line) in running:
+                continue  # a later turn of a session in flight: its earliest running turn counts it
             own += max(kv_tokens - prefix_tokens, 0)
             if prefix_tokens:
                 prefixes[prefix_hash] = prefix_tokens
@@ -249,14 +268,17 @@ class _InFlight:
                     warm.add(prefix_hash)
                 if team == team_id and row_model == model and len(hot) < HOT_PREFIXES:
                     hot[prefix_hash] = None
-        return cls(prefixes, own, list(hot), warm)
+        return cls(prefixes, own, list(hot), warm, running)
 
-    def reserve(self, continuations: Iterable[Sequence[Any]]) -> None:
+    def reserve(self, batch_id: str, continuations: Iterable[Sequence[Any]]) -> None:
         """Count the sessions between two turns (rows of lines whose previous turn finished):
-        their context is in the cache, and evicting it would lose the next turn's hit."""
+        their context is in the cache, and evicting it would lose the next turn's hit. A next
+        turn whose previous one is still in flight is that session's, counted already."""
         for row in continuations:
             c = _Candidate(*row)
             self.reserved.add(c.line)
+            if (batch_id, c.after_line) in self.running:
+                continue
             self.own_tokens += c.own_tokens
             if c.prefix_tokens:
                 self.prefixes.setdefault(c.prefix_hash, c.prefix_tokens)
@@ -265,7 +287,7 @@ class _InFlight:
     def admit(self, candidates: list[_Candidate], budget: int | None) -> list[int]:
         """The candidates that may go, in order.
 
-        A line continuing a finished turn always goes (its context is counted already). A
+        A session's next turn always goes (its session is counted already). A
         prefix new to the fleet goes with one line first: the others follow once that one has
         had PREFIX_WARM_S to be scheduled, so they find its blocks cached (and the router
         finds the worker) instead of all computing them at once. Once a line sharing a prefix

@@ -17,13 +17,13 @@ From a batch's paths, `plan_prefix_order` derives per line:
 - `prefix_rank`: the line's place in a depth-first walk of the tree, so the requests under one
   prefix run together and a prompt runs before the prompts that extend it;
 - `after_line`: the nearest earlier line whose whole path is a proper prefix of this one's (an
-  agent trace's previous turn): released only once that one has finished, so its blocks are
-  in the cache and the router knows where;
+  agent trace's previous turn): released only once that one has been in flight for
+  PREFIX_WARM_S (or has finished), so its blocks are in the cache and the router knows where;
 - `prefix_hash` and `prefix_tokens`: the deepest tree node this line shares with another line
   of the batch (its own n completions count), and how many tokens that node holds;
 - `kv_tokens` (`session_kv`): the most KV the line's work holds, its prompt and outputs, or
   for an agent trace's turn the largest context of its session, which stays in the cache from
-  the first turn to the last. These size how much may be in flight together (`jobs.execution.claims`).
+  the first turn to the last (a session counts once, however many of its turns are in flight). These size how much may be in flight together (`jobs.execution.claims`).
 """
 
 from __future__ import annotations

@@ -176,3 +176,41 @@ def test_a_prefix_stays_warm_while_its_lines_turn_over(db: sessionmaker[Session]
     assert len(claim(db, batch_id, 2, "w", at=1.0)) == 2
     finish(db, batch_id, leader[0], "w")
     assert len(claim(db, batch_id, 2, "w", at=1.1)) == 2
+
+
+def test_a_sessions_next_turn_goes_once_the_previous_has_warmed(db: sessionmaker[Session]) -> None:
+    """A line is a request of its own: the next turn waits only until the previous one's prompt
+    is cached (PREFIX_WARM_S), not for its reply, so a session is not held to one request."""
+    turns = session_turns(4, 3)
+    batch_id = new_batch(db, turns)  # lines 1..3
+    assert claim(db, batch_id, 10, "s", at=0.0) == [1]
+    assert claim(db, batch_id, 10, "s", at=0.1) == []  # turn 0 sent too recently to be cached
+    assert claim(db, batch_id, 10, "s", at=0.3) == [2]  # turn 0 still running
+    assert claim(db, batch_id, 10, "s", at=0.4) == []
+    assert claim(db, batch_id, 10, "s", at=0.6) == [3]
+
+
+def test_a_sessions_turns_in_flight_count_once_against_the_kv_budget(db: sessionmaker[Session]) -> None:
+    """A session's later turns do not hold other sessions back: however many of its turns are in
+    flight, it counts once at its largest context, and its room goes to the next session as
+    soon as it ends, while another session's turns still run."""
+    a, b, c = session_turns(5, 3), session_turns(6, 3), session_turns(7, 3)
+    batch_id = new_batch(db, [*a, *b, *c])  # sessions on lines 1-3, 4-6, 7-9
+    largest = max(len(prompt_text(CHAT, s[2])) // 4 + 9 for s in (a, b, c))
+    budget = largest * 5 // 2  # room for two sessions at their largest, not three
+    first = claim(db, batch_id, 10, "k", budget=budget, at=0.0)
+    opened = {(line - 1) // 3 for line in first}
+    assert len(first) == 2 and len(opened) == 2 and all((line - 1) % 3 == 0 for line in first)
+    waiting = ({0, 1, 2} - opened).pop()
+    # Each open session's next turn goes while its first still runs, and the limit is used by
+    # every line that may go; the third session still waits for room.
+    second = sorted(claim(db, batch_id, 10, "k", budget=budget, at=0.3))
+    assert second == sorted(3 * s + 2 for s in opened)
+    third = sorted(claim(db, batch_id, 10, "k", budget=budget, at=0.6))
+    assert third == sorted(3 * s + 3 for s in opened)
+    assert claim(db, batch_id, 10, "k", budget=budget, at=0.9) == []
+    done = min(opened)
+    for t in range(3):
+        finish(db, batch_id, 3 * done + 1 + t, "k")
+    # The other session's three turns in flight count once: the waiting session fits now.
+    assert claim(db, batch_id, 10, "k", budget=budget, at=1.0) == [3 * waiting + 1]
