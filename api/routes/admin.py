@@ -10,18 +10,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from backfill.api.deps import AdminPrincipal, DbSession
 from backfill.api.errors import COMMON_ERRORS, error_responses
-from backfill.api.org_wire import (
-    created_key_out,
-    from_unix,
-    key_deleted_out,
-    key_id_in,
-    key_out,
-    price_out,
-    price_page,
-    project_id_in,
-    project_out,
-    quota_out,
-)
 from backfill.api.protocol import (
     CreatedProjectApiKey,
     Price,
@@ -32,6 +20,18 @@ from backfill.api.protocol import (
     ProjectList,
     Quota,
     QuotaList,
+)
+from backfill.api.wire import (
+    created_key_out,
+    from_unix,
+    key_deleted_out,
+    key_id_in,
+    key_out,
+    price_out,
+    price_page,
+    project_id_in,
+    project_out,
+    quota_out,
 )
 from backfill.jobs import teams
 from backfill.jobs.billing import ledger as billing

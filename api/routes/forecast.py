@@ -20,9 +20,8 @@ from fastapi import APIRouter, Query
 
 from backfill.api.deps import CurrentPrincipal, DbSession
 from backfill.api.errors import COMMON_ERRORS, error_responses
-from backfill.api.org_wire import price_out
 from backfill.api.protocol import BatchCost, BatchThroughput, BatchWindowPrice, BatchWindowPriceList, Price
-from backfill.api.wire import batch_id_in, batch_id_out, ts
+from backfill.api.wire import batch_id_in, batch_id_out, price_out, ts
 from backfill.jobs import batches as batch_service
 from backfill.jobs.billing import forecast, windows
 from backfill.jobs.billing.ledger import CURRENCY, format_micros

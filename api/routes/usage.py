@@ -13,7 +13,6 @@ from fastapi.responses import JSONResponse
 
 from backfill.api.deps import CurrentPrincipal, DbSession
 from backfill.api.errors import COMMON_ERRORS, error_responses
-from backfill.api.org_wire import PROJECT_PREFIX, amount_out, from_unix, key_id_in, key_id_out, project_id_out
 from backfill.api.protocol import (
     Bucket,
     CompletionsUsagePage,
@@ -21,7 +20,7 @@ from backfill.api.protocol import (
     CostsPage,
     CostsResult,
 )
-from backfill.api.wire import ts
+from backfill.api.wire import PROJECT_PREFIX, amount_out, from_unix, key_id_in, key_id_out, project_id_out, ts
 from backfill.jobs.billing.usage import BUCKET_WIDTHS, UsageTotals, align, resolved_end, usage_totals
 from backfill.jobs.errors import InvalidRequest
 from backfill.jobs.models import utcnow
