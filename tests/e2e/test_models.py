@@ -8,11 +8,16 @@ where every line went. backfill runs as real processes on a database and a Redis
 
 from __future__ import annotations
 
+import asyncio
+import random
+import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from backfill.devfleet.faultproxy import FaultProxy
@@ -20,7 +25,7 @@ from backfill.devfleet.fleet import LARGE_MODEL, Fleet
 from backfill.devfleet.s3 import SeaweedS3
 from backfill.devfleet.services import private_redis
 from backfill.devfleet.stack import Stack, launch_stack
-from tests.e2e.helpers import MODEL, chat_line, jsonl, read_lines, upload, wait_for
+from tests.e2e.helpers import MODEL, chat_line, jsonl, read_lines, upload, wait_for, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -165,3 +170,127 @@ def test_a_saturated_model_never_holds_back_the_others_batch(
         in metrics
     )
     assert "backfill_capacity_pool_leases_held{deployment=" in metrics
+
+
+# -- a controller per model, on the real stack ------------------------------------------------
+
+WORDS = "def return self value import class lambda result items append while print format string list".split()
+
+
+class InteractiveLoad:
+    """Streamed chat requests with long unique prompts, `streams` at a time, sent straight to the
+    Dynamo frontend (interactive traffic never goes through backfill) until stopped."""
+
+    def __init__(self, base_url: str, model: str, streams: int) -> None:
+        self.url, self.model, self.streams = base_url + "/chat/completions", model, streams
+        self.stopping = threading.Event()
+        self.served = 0
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    async def _one(self, client: httpx.AsyncClient, k: int) -> None:
+        rng = random.Random(k)
+        while not self.stopping.is_set():
+            prompt = " ".join(rng.choice(WORDS) for _ in range(1000))
+            body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 100}
+            async with client.stream("POST", self.url, json={**body, "stream": True}) as r:
+                async for _ in r.aiter_lines():
+                    pass
+            self.served += 1
+
+    async def _run(self) -> None:
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=self.streams + 4)) as client:
+            await asyncio.gather(*(self._one(client, k) for k in range(self.streams)))
+
+    def __enter__(self) -> InteractiveLoad:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=120)
+
+
+def test_interactive_load_on_one_model_holds_back_only_that_models_batch(
+    fleet: Fleet, s3: SeaweedS3, redis_url: str, tmp_path: Path
+) -> None:
+    """The scheduler runs a capacity controller per model (each model's workers named in the
+    metrics endpoints, as `backfill up` names them). Interactive load on the large model puts its
+    latencies over the SLO: its controller cuts its pool's published limit to the floor and its
+    batch waits, while the small model, idle, gets its whole ceiling for its batch; once the load
+    is gone the large model's batch finishes too.
+
+    The SLO sits below what the large model's interactive load gives (a tenth of a second to the
+    first token, a few ms a token on the mocker) and the idle target far above it, so what a
+    model's own batch work does to its latencies never cuts it: only interactive traffic does."""
+    metrics = ",".join(
+        [f"frontend={fleet.frontend_metrics_url}", *(f"{w.role}@{w.model}={w.metrics_url}" for w in fleet.workers)]
+    )
+    settings = {
+        "BACKFILL_CAPACITY_CONTROL": "on",
+        "BACKFILL_FLEET_METRICS_URLS": metrics,
+        "BACKFILL_MAX_INFLIGHT": str(FIXED_LIMIT),  # the ceiling of each model's controller
+        "BACKFILL_CAPACITY_FLOOR": "0",
+        "BACKFILL_SLO_TTFT_S": "0.05",
+        "BACKFILL_SLO_ITL_S": "0.002",
+        "BACKFILL_CAPACITY_IDLE_TARGET": "200",
+        "BACKFILL_LEASE_TTL_S": "4",
+        "BACKFILL_DRAIN_SLICE_S": "10",
+        "BACKFILL_TICK_INTERVAL_S": "0.5",
+        "BACKFILL_MODELS_CACHE_S": "2",
+    }
+    busy, idle = f"fleet/{LARGE_MODEL}", f"fleet/{MODEL}"
+    (tmp_path / "redis").mkdir()
+    with (
+        private_redis(tmp_path / "redis", shared_url=redis_url.rsplit("/", 1)[0] + "/10") as own_redis,
+        launch_stack(
+            tmp_path / "stack", settings=settings, s3=s3, fleet_url=fleet.base_url, name="permodel", redis_url=own_redis
+        ) as stack,
+    ):
+        client = openai.OpenAI(base_url=stack.base_url, api_key=stack.key, max_retries=0, timeout=60)
+        headers = {"Authorization": f"Bearer {stack.admin_key}"}
+        with httpx.Client(base_url=stack.base_url, headers=headers, timeout=10) as http:
+
+            def pools() -> dict[str, Any]:
+                return {p["pool"]: p for p in http.get("/dashboard/fleet").json()["pools"]}
+
+            # Both controllers steering, on an idle fleet: each has grown its pool's limit off the floor.
+            wait_until(
+                lambda: f"the controllers never published: {pools()}",
+                lambda: all(p["limit"] >= 1 for p in pools().values()),
+                timeout_s=60,
+                every_s=0.5,
+            )
+            with InteractiveLoad(fleet.base_url, LARGE_MODEL, streams=12) as load:
+                wait_until(
+                    lambda: f"the busy model's limit never dropped to the floor: {pools()}",
+                    lambda: pools()[busy]["limit"] == 0,
+                    timeout_s=60,
+                    every_s=0.5,
+                )
+                held_back = _batch(client, LARGE_MODEL, 24, "held")
+                running = [chat_line(i, max_tokens=200, prefix=f"idle {i} ") for i in range(60)]
+                f = upload(client, jsonl(running), name="idle.jsonl")
+                free = client.batches.create(
+                    input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+                )
+                busy_limits: list[int] = []
+                idle_inflight: list[int] = []
+                while client.batches.retrieve(free.id).status not in ("completed", "failed", "expired"):
+                    p = pools()
+                    busy_limits.append(p[busy]["limit"])
+                    idle_inflight.append(p[idle]["batch_inflight"])
+                    assert load.thread.is_alive()
+                    time.sleep(0.5)
+                waited = client.batches.retrieve(held_back.id)
+            served = load.served
+        assert served > 12
+        assert max(idle_inflight) == FIXED_LIMIT, idle_inflight  # the idle model's batch: its whole ceiling
+        assert max(busy_limits) <= 1, busy_limits  # the busy model's pool: at the floor, or next to it
+        # Its 24 short lines would have finished long before the idle model's 60 long ones.
+        counts = waited.request_counts
+        assert waited.status == "in_progress" and counts is not None and counts.completed < 24, counts
+        done = wait_for(client, free.id, {"completed"}, timeout_s=10)
+        assert done.request_counts.completed == 60, done.request_counts
+        # The interactive load gone, the large model's controller gives its pool room again.
+        done = wait_for(client, held_back.id, {"completed", "failed", "expired"}, timeout_s=240)
+        assert done.status == "completed" and done.request_counts.completed == 24, done
