@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Select, and_, or_, select, update
+from sqlalchemy import Select, and_, func, or_, select, update
 from sqlalchemy.orm import Session, aliased
 
 from backfill.jobs.execution.prefixes import PREFIX_WARM_S
@@ -104,7 +104,9 @@ def claim_requests(
             BatchRequest.line.in_(lines),
             BatchRequest.state == RequestState.pending,
         )
-        .values(state=RequestState.running, claim_token=claim_token, claimed_at=now)
+        # request_id: a running line's mark of where it was sent (`claim_overflow`); a line sent to
+        # the overflow and given back is claimed afresh, wherever it goes next.
+        .values(state=RequestState.running, claim_token=claim_token, claimed_at=now, request_id=None)
         .returning(
             BatchRequest.line,
             BatchRequest.custom_id,
@@ -132,6 +134,48 @@ def claim_requests(
         )
         for r in rows
     ]
+
+
+def claim_overflow(
+    session: Session, *, batch_id: str, share: int, limit: int, claim_token: str, mark: str
+) -> list[ClaimedRequest]:
+    """Claim up to `limit` pending lines of a batch for an overflow deployment, never more than
+    its overflow `share` (the lines of its remaining ones the escalation sends there) less those
+    running there already: each claimed line is marked running there (`mark` in its request_id,
+    until its answer is recorded or it is claimed again), and claims of one batch's overflow lines
+    wait for each other, so drains claiming at once never pass the share between them. (Lines
+    done there have left the batch's remaining lines, so they are out of the share already.)"""
+    if limit <= 0 or share <= 0:
+        return []
+    # FOR NO KEY UPDATE: waits for another overflow claim of this batch (and a recorder's counter
+    # update) for the span of a claim, not for the fleet paths' claims (FOR KEY SHARE).
+    batch = session.get(Batch, batch_id, with_for_update={"key_share": True})
+    if batch is None or batch.status != BatchStatus.in_progress:
+        return []
+    running = session.execute(
+        select(func.count())
+        .select_from(BatchRequest)
+        .where(
+            BatchRequest.batch_id == batch_id,
+            BatchRequest.state == RequestState.running,
+            BatchRequest.request_id == mark,
+        )
+    ).scalar_one()
+    claimed = claim_requests(
+        session, batch_id=batch_id, limit=min(limit, share - running), claim_token=claim_token, kv_budget_tokens=None
+    )
+    if claimed:
+        session.execute(
+            update(BatchRequest)
+            .where(
+                BatchRequest.batch_id == batch_id,
+                BatchRequest.line.in_([r.line for r in claimed]),
+                BatchRequest.claim_token == claim_token,
+            )
+            .values(request_id=mark)
+            .execution_options(synchronize_session=False)
+        )
+    return claimed
 
 
 @dataclass(frozen=True)

@@ -30,12 +30,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import IntEnum
 
-from backfill.jobs.execution.claims import ClaimedRequest
+from backfill.jobs.execution.claims import ClaimedRequest, claim_overflow
 from backfill.jobs.sweeps import PendingBatch
 from backfill.scheduler.capacity.admission import Admission, pool_of
 from backfill.scheduler.drain.claiming import claim_lines
 from backfill.scheduler.fleet.breaker import BreakerState
 from backfill.scheduler.fleet.routing import FleetRoutes
+from backfill.storage.db import unit_of_work
 from backfill.storage.leases import LeaseStore
 
 DEFAULT_REQUEST_TOKENS = 1000
@@ -229,6 +230,23 @@ class EscalationLimits:
     overflow_deployments: list[int]  # indices after the fleet's (`FleetClient` order)
 
 
+def claim_overflow_lines(plan: Plan, n: int, *, holder: str) -> list[ClaimedRequest]:
+    """Claim up to `n` lines for the overflow, batch by batch in the plan's order, each batch
+    within its overflow budget: the share the escalation decided less its lines running there
+    (`jobs.execution.claims.claim_overflow`). The share is of the lines remaining, which count
+    those in flight: without the budget every round would claim the share again, and the
+    overflow pool would sit full whatever was decided."""
+    out: list[ClaimedRequest] = []
+    for batch_id, share in plan(n):
+        if len(out) >= n:
+            break
+        with unit_of_work() as session:
+            out += claim_overflow(
+                session, batch_id=batch_id, share=share, limit=n - len(out), claim_token=holder, mark=OVERFLOW_PREFIX
+            )
+    return out
+
+
 class EscalatedRelease:
     """Takes a drain's escalated leases and claims their lines; the drain sends them as any."""
 
@@ -274,7 +292,7 @@ class EscalatedRelease:
         )
         if any(e.overflow_lines for e in escalations.values()) and self.limits.overflow_deployments:
             room = self._overflow_room(states, held)
-            out += await self._by_model(want, holder, self.overflow_plan, room, routes, escalations)
+            out += await self._by_model(want, holder, self.overflow_plan, room, routes, escalations, overflow=True)
         return out
 
     async def _by_model(
@@ -285,11 +303,13 @@ class EscalatedRelease:
         limits: dict[int, int],
         routes: FleetRoutes | None,
         escalations: Mapping[str, Escalation],
+        *,
+        overflow: bool = False,
     ) -> list[tuple[ClaimedRequest, str, int]]:
         """A round per model of the escalated batches, on the deployments serving it."""
         model_of = self.model_of
         if routes is None or model_of is None:
-            return await self._round(want, holder, plan, limits)
+            return await self._round(want, holder, plan, limits, overflow=overflow)
         out: list[tuple[ClaimedRequest, str, int]] = []
         for model in sorted({model_of(b) for b in escalations}, key=lambda m: m or ""):
             served = {d: limit for d, limit in limits.items() if routes.serves(d, model)}
@@ -298,7 +318,7 @@ class EscalatedRelease:
                 return [(b, k) for b, k in plan(n) if model_of(b) == model]
 
             if served and len(out) < want:
-                out += await self._round(want - len(out), holder, of_model, served)
+                out += await self._round(want - len(out), holder, of_model, served, overflow=overflow)
         return out
 
     def _relaxed_room(self, states: list[BreakerState], held: dict[int, int]) -> dict[int, int]:
@@ -321,7 +341,7 @@ class EscalatedRelease:
         return room
 
     async def _round(
-        self, want: int, holder: str, plan: Plan, limits: dict[int, int]
+        self, want: int, holder: str, plan: Plan, limits: dict[int, int], *, overflow: bool = False
     ) -> list[tuple[ClaimedRequest, str, int]]:
         if not limits:
             return []
@@ -329,7 +349,10 @@ class EscalatedRelease:
         if not leases:
             return []
         try:
-            claimed = await asyncio.to_thread(claim_lines, plan, len(leases), holder=holder, kv_budget_tokens=None)
+            if overflow:
+                claimed = await asyncio.to_thread(claim_overflow_lines, plan, len(leases), holder=holder)
+            else:
+                claimed = await asyncio.to_thread(claim_lines, plan, len(leases), holder=holder, kv_budget_tokens=None)
         except BaseException:
             await self._release(leases)
             raise
