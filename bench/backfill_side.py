@@ -26,7 +26,7 @@ from backfill.scheduler.capacity.controller import FleetCapacityLoop
 from backfill.scheduler.capacity.law import Decision
 from backfill.scheduler.drain.dispatcher import Dispatcher
 from backfill.scheduler.fleet.client import FleetClient
-from backfill.scheduler.runtime import get_admission, make_capacity_loop, make_planner
+from backfill.scheduler.runtime import get_admission, make_capacity_loop, make_planner, make_routes
 from backfill.storage.leases import FLEET_POOL, LeaseStore, get_lease_store, limit_key, shed_key
 from backfill.storage.objects import get_object_store
 from backfill.storage.settings import get_settings
@@ -87,14 +87,20 @@ def main(argv: list[str] | None = None) -> None:
 
     async def dispatch() -> None:
         await asyncio.sleep(max(0.0, a.t_start - time.time()))
-        fleet = FleetClient(s.fleet_urls, timeout_s=s.fleet_timeout_s)
+        # Routed by model, as a worker's drain is: on a fleet serving several models each model's
+        # lines fill that model's own pool (a one-model fleet keeps its plain pool).
+        routes = make_routes(s)
+        fleet = FleetClient(s.fleet_urls, timeout_s=s.fleet_timeout_s, routes=routes)
         while time.time() < a.t_end:
+            planner = make_planner(admission=admission)
             d = Dispatcher(
                 store=get_object_store(),
                 leases=leases,
                 admission=admission,
                 fleet=fleet,
-                planner=make_planner(admission=admission),
+                planner=planner,
+                routes=routes,
+                pending_models=planner.pending_models,
                 max_attempts=s.max_attempts,
                 hint_mode=s.fleet_priority_hint,
             )

@@ -26,6 +26,7 @@ SLO rule (per interactive request, from run (a)): TTFT <= 2 x (a)'s p90 TTFT and
     .venv/bin/python -m bench.harvest --disagg          # prefill/decode split fleet
     .venv/bin/python -m bench.harvest --kv-bytes-per-token 352
     .venv/bin/python -m bench.harvest --quick --disagg --trace ramp   # agent | lulls | ramp
+    .venv/bin/python -m bench.harvest --quick --two-models   # two models, figures per model (bench/harvest_models.py)
 """
 
 from __future__ import annotations
@@ -226,6 +227,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--trace", default="agent", help="interactive trace: agent (default), lulls or ramp (bench/agent_trace.py)"
     )
+    p.add_argument(
+        "--two-models",
+        action="store_true",
+        help="a fleet serving tiny-chat and tiny-chat-large, a batch per model, figures per model (runs a,s,c)",
+    )
+    p.add_argument(
+        "--large-trace", default="none", help="--two-models: the large model's interactive trace (none: idle)"
+    )
+    p.add_argument("--batch-lines", type=int, default=3000, help="--two-models: lines of each model's batch")
     p.add_argument("--out", default=str(ROOT / "bench" / "out"))
     p.add_argument("--keep", action="store_true", help="keep the raw per-request records (printed path)")
     a = p.parse_args(argv)
@@ -243,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
     if a.duration:
         spec["duration_s"] = a.duration
     runs = set(a.runs.split(","))
+    if a.two_models:
+        sweep = [int(x) for x in (a.sweep or "8").split(",")]
+        runs &= {"a", "s", "c"}
     if "o" in runs and "s" not in runs:
         p.error("--runs: the oracle (o) is built from the static sweep (s)")
     variant = (
@@ -271,6 +284,15 @@ def main(argv: list[str] | None = None) -> None:
         "BACKFILL_LOG_LEVEL": "WARNING",
     }
     os.environ.update({k: v for k, v in env.items() if k.startswith("BACKFILL_")})
+    if a.two_models:
+        from bench import harvest_models
+
+        try:
+            harvest_models.main(a, spec=spec, sweep=sweep, runs=runs, env=env, blocks=blocks)
+        finally:
+            drop_database(db_url)
+            shutil.rmtree(workdir, ignore_errors=True)
+        return
 
     from backfill.devfleet.fleet import Fleet
 

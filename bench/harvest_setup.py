@@ -35,8 +35,9 @@ def drop_database(url: str) -> None:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def prepare_batch(salt: str, n: int) -> str:
-    """A batch of n lines through the same service functions the API and validation task use."""
+def prepare_batch(salt: str, n: int, model: str = MODEL) -> str:
+    """A batch of n lines for `model` through the same service functions the API and validation
+    task use."""
     import orjson
 
     from backfill.jobs import batches, files, teams
@@ -54,7 +55,7 @@ def prepare_batch(salt: str, n: int) -> str:
                 "custom_id": f"{salt}-{i}",
                 "method": "POST",
                 "url": "/v1/chat/completions",
-                "body": batch_body(i, salt, MODEL),
+                "body": batch_body(i, salt, model),
             }
         )
         + b"\n"
@@ -88,7 +89,7 @@ def prepare_batch(salt: str, n: int) -> str:
     result = validate_lines(
         store.open(key),
         endpoint="/v1/chat/completions",
-        served_models={MODEL},
+        served_models={model},
         limits=Limits(max_requests=n, max_line_bytes=1 << 20, max_errors=10),
     )
     with unit_of_work() as s:

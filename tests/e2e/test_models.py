@@ -4,6 +4,8 @@ Deployment X is the session's two-model fleet (tiny-chat on two workers, tiny-ch
 as `backfill up` serves them); deployment Y a fleet of its own serving tiny-chat only. Each is
 reached through a fault proxy that counts the requests it sees per model, so a test can show
 where every line went. backfill runs as real processes on a database and a Redis of their own.
+The last test runs a stack of its own on the session's fleet alone, with capacity control on: a
+controller per model, each on its own model's workers' metrics.
 """
 
 from __future__ import annotations
