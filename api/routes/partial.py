@@ -15,12 +15,14 @@ a thread and a little memory per download, never the others' capacity; past that
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Literal
 
 from fastapi import APIRouter, Response
 from fastapi.responses import StreamingResponse
+from sqlalchemy import select
 from starlette.background import BackgroundTask
 
 from backfill.api.deps import CurrentPrincipal, DbSession
@@ -35,6 +37,8 @@ from backfill.storage.db import unit_of_work
 from backfill.storage.settings import get_settings
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=error_responses(*COMMON_ERRORS))
+
+log = logging.getLogger(__name__)
 
 _CANCELLED = (BatchStatus.cancelling, BatchStatus.cancelled)
 RETRY_AFTER_S = 5
@@ -88,8 +92,25 @@ def _lines(
             states = ERROR_STATES if settled else tuple(s for s in ERROR_STATES if s != RequestState.pending)
         # A transaction per page, none held while a page waits for its reader.
         yield from result_lines(unit_of_work, batch_id, states, pending_as=pending_as)
+        if _retired(batch_id):
+            # Retention deleted the line rows while the pages were read: the pages read after that
+            # came back empty. The 200 is sent already: end the body without its last chunk, so the
+            # client sees a broken download, not a short one passing for complete.
+            log.warning("partial_output of batch %s cut short: the batch was retired while it streamed", batch_id)
+            raise RetiredWhileStreaming(batch_id)
     finally:
         release()
+
+
+class RetiredWhileStreaming(RuntimeError):
+    """A partial download outlived its batch's line rows (`jobs.retention`): it is incomplete."""
+
+
+def _retired(batch_id: str) -> bool:
+    """Whether retention has retired the batch. Asked after the last page: not retired then means
+    every page was read before (retirement deletes the rows and marks the batch in one commit)."""
+    with unit_of_work() as session:
+        return session.scalar(select(Batch.bodies_purged_at).where(Batch.id == batch_id)) is not None
 
 
 @router.get(
