@@ -329,3 +329,10 @@ async def parse_upload(
     if consumer_error:
         raise consumer_error[0]
     return form
+
+
+def streamed_form(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    """`openapi_extra` for a route that reads its multipart form itself (streaming, above), so
+    FastAPI cannot see the form: the OpenAPI document says it here."""
+    schema = {"type": "object", "required": required, "properties": properties}
+    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": schema}}}}

@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from backfill.api.deps import CurrentPrincipal, DbSession, Store
 from backfill.api.errors import COMMON_ERRORS, error_responses
 from backfill.api.protocol import FileDeleted, FileList, FileObject
-from backfill.api.upload import parse_upload
+from backfill.api.upload import parse_upload, streamed_form
 from backfill.api.wire import file_deleted_out, file_id_in, file_out, file_page
 from backfill.jobs import files as file_service
 from backfill.jobs.errors import NotFound
@@ -21,30 +21,19 @@ from backfill.jobs.models import new_id
 from backfill.storage.settings import get_settings
 
 router = APIRouter(prefix="/v1/files", tags=["files"], responses=error_responses(*COMMON_ERRORS))
-# The route reads the form itself (streaming, see `api.upload`), so FastAPI cannot see it: say it here.
-UPLOAD_FORM = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "multipart/form-data": {
-                "schema": {
-                    "type": "object",
-                    "required": ["file", "purpose"],
-                    "properties": {
-                        "file": {"type": "string", "format": "binary"},
-                        "purpose": {"type": "string", "enum": sorted(file_service.UPLOAD_PURPOSES)},
-                        "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
-                        "expires_after[seconds]": {
-                            "type": "integer",
-                            "minimum": file_service.MIN_EXPIRY_S,
-                            "maximum": file_service.MAX_EXPIRY_S,
-                        },
-                    },
-                }
-            }
+UPLOAD_FORM = streamed_form(
+    {
+        "file": {"type": "string", "format": "binary"},
+        "purpose": {"type": "string", "enum": sorted(file_service.UPLOAD_PURPOSES)},
+        "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+        "expires_after[seconds]": {
+            "type": "integer",
+            "minimum": file_service.MIN_EXPIRY_S,
+            "maximum": file_service.MAX_EXPIRY_S,
         },
-    }
-}
+    },
+    required=["file", "purpose"],
+)
 
 
 @router.post("", openapi_extra=UPLOAD_FORM)

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from backfill.api.deps import CurrentPrincipal, DbSession, Store
 from backfill.api.errors import COMMON_ERRORS, error_responses
 from backfill.api.protocol import Upload, UploadPart
-from backfill.api.upload import PART_FORM, parse_upload
+from backfill.api.upload import PART_FORM, parse_upload, streamed_form
 from backfill.api.wire import part_ids_in, part_out, upload_id_in, upload_out
 from backfill.jobs import files as file_service
 from backfill.jobs import uploads as upload_service
@@ -22,21 +22,7 @@ from backfill.storage.settings import get_settings
 
 router = APIRouter(prefix="/v1/uploads", tags=["uploads"], responses=error_responses(*COMMON_ERRORS))
 
-# The route reads the form itself (streaming, see `api.upload`), so FastAPI cannot see it: say it here.
-PART_FORM_SCHEMA = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "multipart/form-data": {
-                "schema": {
-                    "type": "object",
-                    "required": ["data"],
-                    "properties": {"data": {"type": "string", "format": "binary"}},
-                }
-            }
-        },
-    }
-}
+PART_FORM_SCHEMA = streamed_form({"data": {"type": "string", "format": "binary"}}, required=["data"])
 
 
 class ExpiresAfter(BaseModel):
