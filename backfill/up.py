@@ -613,6 +613,11 @@ class BatchEvents:
             before = self._reported.get(batch.id)
             if before is None:
                 events.append(BatchEvent(now, batch.id, "created", _detail(batch, team, "created")))
+            ran = batch.in_progress_at is not None and batch.status != BatchStatus.in_progress
+            if ran and before in (None, BatchStatus.validating):
+                # It ran and moved on between two polls (a small batch takes well under one):
+                # its start is still news.
+                events.append(BatchEvent(now, batch.id, "in_progress", _detail(batch, team, BatchStatus.in_progress)))
             if before != batch.status and batch.status != BatchStatus.validating:
                 events.append(BatchEvent(now, batch.id, batch.status.value, _detail(batch, team, batch.status)))
             self._reported[batch.id] = batch.status

@@ -138,7 +138,8 @@ def test_a_saturated_model_never_holds_back_the_others_batch(
     small model's batch still runs at its own full fixed limit there, side by side (with one pool
     per deployment, the two shared one limit). The dashboard and /metrics show each pool."""
     slow = [chat_line(i, model=LARGE_MODEL, max_tokens=400, prefix=f"slow {i} ") for i in range(48)]
-    fast = [chat_line(i, model=MODEL, max_tokens=120, prefix=f"fast {i} ") for i in range(60)]
+    # Enough small lines that both deployments serving the small model stay full of them.
+    fast = [chat_line(i, model=MODEL, max_tokens=120, prefix=f"fast {i} ") for i in range(240)]
     batches = []
     for name, lines in (("slow", slow), ("fast", fast)):
         f = upload(mclient, jsonl(lines), name=f"{name}.jsonl")
@@ -161,10 +162,10 @@ def test_a_saturated_model_never_holds_back_the_others_batch(
                 both_full |= pools[f"fleet/{MODEL}"]["batch_inflight"] == FIXED_LIMIT
             if all(mclient.batches.retrieve(b.id).status in ("completed", "failed") for b in batches):
                 break
-            time.sleep(0.5)
+            time.sleep(0.2)
         metrics = httpx.get(models_stack.base_url.removesuffix("/v1") + "/metrics", timeout=10).text
     assert both_full, f"the small model's pool never ran at its full limit beside the large one's: {seen}"
-    for b, n in zip(batches, (48, 60), strict=True):
+    for b, n in zip(batches, (48, 240), strict=True):
         done = wait_for(mclient, b.id, {"completed", "failed", "expired"}, timeout_s=120)
         assert done.status == "completed" and done.request_counts.completed == n, done
     assert (
