@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from backfill.jobs.billing.ledger import Rates, batch_rates, current_price_version, price_in_force
+from backfill.jobs.billing.ledger import Rates, batch_price, batch_rates, current_price_version, price_in_force
 from backfill.jobs.billing.models import Price, UsageLedgerEntry
 from backfill.jobs.billing.usage import usage_totals
 from backfill.jobs.models import Batch, BatchStatus, utcnow
@@ -49,13 +49,7 @@ def cost_so_far(session: Session, batch: Batch) -> CostSoFar:
             func.coalesce(func.sum(UsageLedgerEntry.cost_micros), 0),
         ).where(UsageLedgerEntry.batch_id == batch.id)
     ).one()
-    price = price_in_force(
-        session,
-        model=batch.model or "",
-        completion_window=batch.completion_window,
-        at=batch.created_at,
-        version=batch.price_version,
-    )
+    price = batch_price(session, batch)
     return CostSoFar(
         cost_micros=int(cost),
         requests=int(requests),

@@ -240,18 +240,23 @@ def price_in_force(
     ).scalar_one_or_none()
 
 
+def batch_price(session: Session, batch: Batch) -> Price | None:
+    """The price a batch is billed at: its model's and window's, as in force at its creation."""
+    return price_in_force(
+        session,
+        model=batch.model or "",
+        completion_window=batch.completion_window,
+        at=batch.created_at,
+        version=batch.price_version,
+    )
+
+
 def _batch_price(session: Session, batch: Batch) -> tuple[Price, Rates] | None:
     # Price rows are append-only and the batch's version is fixed, so one lookup per batch
     # per transaction is enough (the dispatcher records results in groups of up to 200).
     cache: dict[str, tuple[Price, Rates] | None] = session.info.setdefault("billing_price_of_batch", {})
     if batch.id not in cache:
-        price = price_in_force(
-            session,
-            model=batch.model or "",
-            completion_window=batch.completion_window,
-            at=batch.created_at,
-            version=batch.price_version,
-        )
+        price = batch_price(session, batch)
         if price is None:
             _warn_unpriced(batch.model or "", batch.id)
         cache[batch.id] = (price, batch_rates(price, batch)) if price else None
