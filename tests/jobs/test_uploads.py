@@ -9,7 +9,6 @@ import secrets
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -22,24 +21,10 @@ from backfill.jobs.errors import Conflict
 from backfill.jobs.models import File, Upload, UploadPart, utcnow
 from backfill.jobs.teams import get_or_create_team
 from backfill.storage.db import UnitOfWork
-from backfill.storage.objects import MIN_PART_BYTES, PART_BYTES, LocalObjectStore, ObjectStore, S3ObjectStore
+from backfill.storage.objects import MIN_PART_BYTES, PART_BYTES, LocalObjectStore, ObjectStore
+from tests.storage.test_objects import store as store  # the fixture: a local directory, and SeaweedFS
 
-BUCKET = "backfill-test"
 MiB = 1024 * 1024
-
-
-@pytest.fixture(params=["local", "s3"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
-    if request.param == "local":
-        return LocalObjectStore(tmp_path / "objects")
-    server: Any = request.getfixturevalue("s3")
-    return S3ObjectStore(
-        endpoint_url=server.endpoint_url,
-        bucket=BUCKET,
-        access_key=server.access_key,
-        secret_key=server.secret_key,
-        region=server.region,
-    )
 
 
 def _team(db: sessionmaker[Session]) -> str:
