@@ -4,8 +4,11 @@ closed: requests go out. open: nothing goes out until a cool-down has passed. ha
 probe at a time goes out; its success closes the breaker, its failure opens it again.
 A closed breaker opens on evidence from a short window: at least `min_failures` transient
 failures (connection errors, timeouts, 5xx), and either at least `failure_ratio` of the
-window's calls failed or nothing but failures came back since the last success (a deployment
-that just died still has a window full of good answers from before).
+window's calls failed or nothing but failures came back for `streak_s` since the last success
+(a deployment that just died still has a window full of good answers from before). The streak
+must last, not only count: when one of a deployment's engines dies, the requests it held fail
+together in one burst, while its other engines go on answering; a deployment that is down
+fails everything for as long as it is asked.
 
 With Redis every transition is one Lua script on one hash per deployment, timed by Redis's
 clock, so all workers run one state machine: one worker's evidence opens it for all, and only
@@ -47,6 +50,7 @@ class BreakerPolicy:
     buckets: int = 10  # the window slides in steps of window_s / buckets
     min_failures: int = 5  # never open on fewer failures than this within the window
     failure_ratio: float = 0.5  # open when this share of the window's calls failed
+    streak_s: float = 2.0  # or when only failures came back for this long (at least min_failures)
     cooldown_s: float = 5.0  # open -> half_open after this long
     probe_ttl_s: float = 30.0  # a probe that never reports frees its slot after this long
     # Each failed probe doubles the cool-down, up to this (0: it never grows), so a deployment
@@ -99,6 +103,7 @@ class LocalBreaker:
         self._reopens = 0  # failed probes since the breaker last closed
         self._probe_until = 0.0
         self._streak = 0  # failures since the last success
+        self._streak_since = 0.0  # when the first of them came back
         self._counts: dict[int, list[int]] = {}  # bucket -> [calls, failures]
 
     async def allow(self) -> Permit:
@@ -145,10 +150,13 @@ class LocalBreaker:
             self._streak = 0
             return None
         counts[1] += 1
+        if self._streak == 0:
+            self._streak_since = now
         self._streak += 1
         calls = sum(c for c, _ in self._counts.values())
         failures = sum(f for _, f in self._counts.values())
-        if failures >= p.min_failures and (failures >= p.failure_ratio * calls or self._streak >= p.min_failures):
+        streak = self._streak >= p.min_failures and now - self._streak_since >= p.streak_s
+        if failures >= p.min_failures and (failures >= p.failure_ratio * calls or streak):
             return self._open(now)
         return None
 
@@ -197,14 +205,17 @@ return {0, 0, tostring(probe_until - now)}
 
 # KEYS[1] = the deployment's hash; ARGV = ok, probe, window_s, buckets, min_failures,
 # failure_ratio, key_ttl_ms, calls (successes reported together: ok only), cooldown_s,
-# max_cooldown_s (a failed probe reopens it for twice as long as last time, up to this). Fields c:<bucket> / f:<bucket> count calls / failures per step of
-# the window. Returns the new state when this report changed it, else ''.
+# max_cooldown_s (a failed probe reopens it for twice as long as last time, up to this),
+# streak_s. Fields c:<bucket> / f:<bucket> count calls / failures per step of the window;
+# streak / streak_since the failures since the last success and when the first came back.
+# Returns the new state when this report changed it, else ''.
 _RECORD = """
 local key, ok, probe = KEYS[1], ARGV[1] == '1', ARGV[2] == '1'
 local window, buckets = tonumber(ARGV[3]), tonumber(ARGV[4])
 local min_failures, ratio, ttl_ms = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
 local calls_n = tonumber(ARGV[8] or '1')
 local cooldown, max_cooldown = tonumber(ARGV[9] or '5'), tonumber(ARGV[10] or '0')
+local streak_s = tonumber(ARGV[11] or '0')
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local state = redis.call('HGET', key, 'state') or 'closed'
@@ -240,6 +251,8 @@ if ok then
 end
 redis.call('HINCRBY', key, 'f:' .. b, 1)
 local streak = redis.call('HINCRBY', key, 'streak', 1)
+if streak == 1 then redis.call('HSET', key, 'streak_since', tostring(now)) end
+local since = tonumber(redis.call('HGET', key, 'streak_since') or tostring(now))
 local calls, failures = 0, 0
 local all = redis.call('HGETALL', key)
 for i = 1, #all, 2 do
@@ -248,7 +261,8 @@ for i = 1, #all, 2 do
     if kind == 'c' then calls = calls + tonumber(all[i + 1]) else failures = failures + tonumber(all[i + 1]) end
   end
 end
-if failures >= min_failures and (failures >= ratio * calls or streak >= min_failures) then return open(false) end
+local lasted = streak >= min_failures and now - since >= streak_s
+if failures >= min_failures and (failures >= ratio * calls or lasted) then return open(false) end
 return ''
 """
 
@@ -298,7 +312,7 @@ class SharedBreaker:
             try:
                 changed = await self._record(
                     keys=[self.key],
-                    args=[int(ok), int(probe), *self._window_args(), 1, p.cooldown_s, p.max_cooldown_s],
+                    args=[int(ok), int(probe), *self._window_args(), 1, p.cooldown_s, p.max_cooldown_s, p.streak_s],
                 )
                 return BreakerState(changed) if changed else None
             except (RedisError, OSError) as exc:
@@ -320,7 +334,7 @@ class SharedBreaker:
                 try:
                     await self._record(
                         keys=[self.key],
-                        args=[1, 0, *self._window_args(), n, p.cooldown_s, p.max_cooldown_s],
+                        args=[1, 0, *self._window_args(), n, p.cooldown_s, p.max_cooldown_s, p.streak_s],
                     )
                     continue
                 except (RedisError, OSError) as exc:

@@ -135,7 +135,11 @@ def test_admin_view_plots_the_fleet_while_a_batch_runs(browser: Any, stack: Stac
         assert client.batches.retrieve(big.id).status == "completed"
         assert any((s["batch_inflight"] or 0) > 0 and (s["fleet_inflight"] or 0) > 0 for s in samples), samples
         assert any((s["interactive_inflight"] or 0) > 0 for s in samples), samples
-        assert sample["limit"] == 32 and sample["capacity_control"] is False  # the stack's fixed bound
+        # The stack's fixed bound, per lease pool: one pool per model the deployment serves once the
+        # API has read its catalogue, and the fleet's limit is their sum.
+        assert sample["capacity_control"] is False and sample["pools"]
+        assert all(p["limit"] == 32 for p in sample["pools"]), sample["pools"]
+        assert sample["limit"] == 32 * len(sample["pools"])
 
         page.wait_for_selector(f'tr[data-batch="{big.id}"]', timeout=20_000)
         page.wait_for_function(

@@ -15,7 +15,9 @@ import redis.asyncio
 from backfill.scheduler.fleet.breaker import Breaker, BreakerPolicy, BreakerState, LocalBreaker, Permit, SharedBreaker
 
 # Short enough to run in a second, long enough that Redis round trips do not blur the steps.
-POLICY = BreakerPolicy(window_s=2.0, buckets=4, min_failures=3, failure_ratio=0.5, cooldown_s=0.4, probe_ttl_s=0.6)
+POLICY = BreakerPolicy(
+    window_s=2.0, buckets=4, min_failures=3, failure_ratio=0.5, streak_s=0.3, cooldown_s=0.4, probe_ttl_s=0.6
+)
 
 
 def redis_client(url: str) -> Any:
@@ -68,8 +70,29 @@ def test_a_mostly_good_window_stays_closed_but_a_streak_opens(make_breaker: Call
             await succeed(b, 2)
         assert await b.state() is BreakerState.closed
         # The deployment dies: its window is still full of good answers, but nothing good comes
-        # back any more, so min_failures in a row open it.
-        assert await fail(b, 3) == [None, None, BreakerState.open]
+        # back any more, so min_failures in a row, lasting streak_s, open it.
+        assert await fail(b, 3) == [None, None, None]
+        await asyncio.sleep(POLICY.streak_s)
+        assert await fail(b, 1) == [BreakerState.open]
+
+    asyncio.run(go())
+
+
+def test_one_engine_dying_fails_a_burst_but_the_deployment_stays_closed(
+    make_breaker: Callable[[BreakerPolicy], Breaker],
+) -> None:
+    """One of two engines is killed: the requests it held fail together, in a row, while the other
+    engine goes on answering. A streak that does not last is no evidence the deployment is down."""
+
+    async def go() -> None:
+        b = make_breaker(POLICY)
+        await succeed(b, 12)
+        assert await fail(b, 6) == [None] * 6  # the dead engine's requests, all at once
+        for _ in range(3):  # then its share of new calls fails fast, the live engine's succeed
+            await asyncio.sleep(POLICY.streak_s / 3)
+            await succeed(b, 1)
+            assert await fail(b, 1) == [None]
+        assert await b.state() is BreakerState.closed
 
     asyncio.run(go())
 
