@@ -73,13 +73,16 @@ def _purgeable_file(now: datetime) -> ColumnElement[bool]:
 def purge_file_objects(transaction: UnitOfWork, store: ObjectStore, *, now: datetime, limit: int) -> int:
     """Remove the objects of expired and deleted files that no unfinished batch still reads, each
     in a short transaction of its own that checks the file again (a batch may have started
-    reading it since it was listed)."""
+    reading it since it was listed). A file another replica is purging right now is skipped (its
+    row locked): a scheduler resumed mid-pass and the one leading now never both delete it."""
     with transaction() as session:
         file_ids = list(session.execute(select(File.id).where(_purgeable_file(now)).limit(limit)).scalars())
     purged = 0
     for file_id in file_ids:
         with transaction() as session:
-            row = session.execute(select(File).where(File.id == file_id, _purgeable_file(now))).scalar_one_or_none()
+            row = session.execute(
+                select(File).where(File.id == file_id, _purgeable_file(now)).with_for_update(skip_locked=True)
+            ).scalar_one_or_none()
             if row is None:
                 continue
             store.delete(row.object_key)  # deleting a missing object is a no-op: safe to repeat

@@ -68,6 +68,7 @@ def reclaim_orphans(session: Session, *, dead_tokens: Sequence[str], max_attempt
             held, BatchRequest.attempts + 1 >= max_attempts
         )
     ).all()
+    failed_here: list[tuple[str, int]] = []
     for token, batch_id, line, attempts in exhausted:
         assert token is not None  # (selected by its token)
         why = "the worker running it stopped each time, or its result could not be recorded"
@@ -75,12 +76,14 @@ def reclaim_orphans(session: Session, *, dead_tokens: Sequence[str], max_attempt
             session, claim_token=token, results=[(batch_id, line, attempts_exceeded(attempts + 1, why))]
         ):
             out.failed[batch_id] += 1
-    if exhausted:  # the try that ran out counts too
+            failed_here.append((batch_id, line))
+    if failed_here:  # the try that ran out counts too: on the lines this reclaim failed, and only those
+        # (another reclaim at once, or the drain's own answer, may have ended a line read above)
         session.execute(
             update(BatchRequest)
             .where(
                 BatchRequest.state == RequestState.failed,
-                or_(*(and_(BatchRequest.batch_id == b, BatchRequest.line == n) for _, b, n, _ in exhausted)),
+                or_(*(and_(BatchRequest.batch_id == b, BatchRequest.line == n) for b, n in failed_here)),
             )
             .values(attempts=BatchRequest.attempts + 1)
             .execution_options(synchronize_session=False)

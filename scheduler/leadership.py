@@ -378,7 +378,9 @@ def _lead_once(
     finally:
         done.set()
         keeper.join()
-        if lost.is_set():
+        # Whichever noticed first: the keeper's renewal refused, or the loop's own clock (a leader
+        # resumed after a pause asks `deposed()` before its keeper wakes to renew).
+        if lost.is_set() or (not stop() and not lease.held()):
             log.warning("lost the leader lease: standing by")
         try:
             lease.release()

@@ -5,9 +5,11 @@ The scheduler loop calls `deliver_in_background()` every tick; one pass at a tim
 thread of its own, so a slow or silent receiver never holds up the loop. Within a pass each
 delivery is claimed, sent and recorded on its own, SENDERS at a time: a slow receiver holds one
 sender, never the others. Each POST has one overall deadline (`DEADLINE_S`, well under the
-claim's hold), however its receiver trickles its answer. At least once: a sender that dies
-between the POST and the record leaves the delivery claimed for a minute, after which it is
-sent again with the same `webhook-id`, which receivers deduplicate on.
+claim's hold), however its receiver trickles its answer, and starts only while its claim is
+fresh enough for that (`SEND_WITHIN_S`: a sender frozen after its claim sends nothing). At
+least once: a sender that dies between the POST and the record leaves the delivery claimed for
+a minute, after which it is sent again with the same `webhook-id`, which receivers deduplicate
+on.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ HOLD_S = 60.0
 # One POST, from connecting to the answer's status, however slowly the receiver trickles it:
 # well under HOLD_S, so no delivery is still being sent when another sender may claim it.
 DEADLINE_S = 20.0
+# A claimed delivery is sent only this soon after its claim, so that it is answered (DEADLINE_S)
+# before its hold ends, less a margin for the replicas' clocks: a sender paused between claiming
+# and sending (a scheduler frozen past its lease, then resumed) leaves the delivery to the next
+# claim rather than sending it while the new leader's round may be sending it too.
+SEND_WITHIN_S = HOLD_S - DEADLINE_S - 10.0
 # One pass stops after this many rounds' worth of deliveries even if more keep falling due; the
 # next tick goes on.
 MAX_ROUNDS = 20
@@ -78,8 +85,16 @@ class WebhookSender:
         except (httpx.InvalidURL, KeyError, UnicodeError):
             return None, "InvalidURL"
 
-    def deliver(self, item: DueDelivery) -> None:
-        """Send one claimed delivery and record its outcome at once (not after the others')."""
+    def deliver(self, item: DueDelivery, *, claimed_at: float | None = None) -> None:
+        """Send one claimed delivery and record its outcome at once (not after the others'); not
+        if it was claimed (`time.monotonic()` before the claim) longer than SEND_WITHIN_S ago."""
+        if claimed_at is not None and (held_s := time.monotonic() - claimed_at) > SEND_WITHIN_S:
+            log.warning(
+                "webhook delivery %s claimed %.0f s ago, too late to send within its hold: left to the next claim",
+                item.delivery_id,
+                held_s,
+            )
+            return
         status_code, error = self.send(item)
         with self.units() as session:
             status = record_attempt(session, due=item, status_code=status_code, error=error)
@@ -96,11 +111,12 @@ class WebhookSender:
             while True:
                 room = min(SENDERS - len(running), budget - total)
                 if more and room > 0:
+                    claimed_at = time.monotonic()
                     with self.units() as session:
                         due = claim_due(session, limit=room, hold_s=HOLD_S)
                     more = len(due) == room  # fewer: nothing else is due now
                     total += len(due)
-                    running |= {pool.submit(self.deliver, item) for item in due}
+                    running |= {pool.submit(self.deliver, item, claimed_at=claimed_at) for item in due}
                 if not running:
                     return total
                 finished, running = wait(running, return_when=FIRST_COMPLETED)
