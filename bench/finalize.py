@@ -4,7 +4,9 @@ inline below: a `bytes +=` buffer under boto3's managed transfer), against Seawe
 
 Then, with `--lines`, the whole `finalize_batch` on a scratch Postgres database, for git
 revision `--before`'s jobs/output/{finalize,pages}.py (HEAD by default) and the working tree's, interleaved,
-`--repeat` runs each (median, min and max MB/s: the machine is shared), every run checked to
+`--repeat` runs each (median, min and max MB/s: the machine is shared; each round's speed-up of
+the working tree over `--before`; the CPU seconds of this process, of the scratch database's
+Postgres backends and of the S3 server; the 1-minute load average), every run checked to
 write the same files and counters. `--shape succeeded`: every line ran (~600-byte bodies, one
 in 50 failed); `--shape expired`: the batch expired after `--ran` lines, the rest are written
 as batch_expired error lines.
@@ -37,6 +39,7 @@ from types import ModuleType
 from typing import Any
 
 import orjson
+import psutil
 
 from backfill.storage.objects import CHUNK, S3ObjectStore
 
@@ -223,9 +226,31 @@ def _reset(engine: Any, store: S3ObjectStore, batch_id: str, team_id: str, statu
         store.delete(obj.key)
 
 
-def _finalize_once(module: Any, engine: Any, store: S3ObjectStore, batch: tuple[str, str, str]) -> dict[str, Any]:
-    """One `module.finalize_batch` of the batch: wall and CPU seconds, bytes, and what it wrote
-    (each file's digest and the batch's counters), for comparing the two revisions."""
+def _cpu_seconds(processes: Iterable[Any]) -> float:
+    total = 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.Error:  # it ended: what it used is no longer told
+            continue
+        total += times.user + times.system
+    return total
+
+
+def _database_backends(database: str) -> list[Any]:
+    """The Postgres backends serving `database` (their title names it), when Postgres runs on
+    this machine: its CPU, the finalization's other half, is in no process of this one."""
+    return [
+        p for p in psutil.process_iter(["cmdline"]) if any(f" {database} " in arg for arg in p.info["cmdline"] or ())
+    ]
+
+
+def _finalize_once(
+    module: Any, engine: Any, store: S3ObjectStore, batch: tuple[str, str, str], s3_server: list[Any]
+) -> dict[str, Any]:
+    """One `module.finalize_batch` of the batch: wall and CPU seconds (here, in the database's
+    backends, in the S3 server), bytes, and what it wrote (each file's digest and the batch's
+    counters), for comparing the two revisions."""
     from sqlalchemy.orm import Session, sessionmaker
 
     from backfill.jobs.models import Batch, BatchStatus
@@ -233,9 +258,13 @@ def _finalize_once(module: Any, engine: Any, store: S3ObjectStore, batch: tuple[
     batch_id, team_id, status = batch
     _reset(engine, store, batch_id, team_id, status)
     db = sessionmaker(bind=engine, expire_on_commit=False)
+    database = engine.url.database
+    pg_cpu, s3_cpu = _cpu_seconds(_database_backends(database)), _cpu_seconds(s3_server)
     started, cpu = time.perf_counter(), time.process_time()
     final = module.finalize_batch(db.begin, store, batch_id=batch_id)
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    pg_cpu = _cpu_seconds(_database_backends(database)) - pg_cpu  # the pool's backends outlive the run
+    s3_cpu = _cpu_seconds(s3_server) - s3_cpu
     assert final in (BatchStatus.completed, BatchStatus.expired), final
     objects = sorted(store.list(f"batches/{team_id}/{batch_id}/"))
     with Session(engine) as s:
@@ -246,13 +275,18 @@ def _finalize_once(module: Any, engine: Any, store: S3ObjectStore, batch: tuple[
     return {
         "seconds": seconds,
         "cpu": cpu,
+        "pg_cpu": pg_cpu,
+        "s3_cpu": s3_cpu,
+        "load": os.getloadavg()[0],
         "bytes": sum(o.size for o in objects),
         "files": {o.key.rsplit("/", 1)[1]: (o.size, digest(store.open(o.key))) for o in objects},
         "counters": counters,
     }
 
 
-def bench_finalize(store: S3ObjectStore, n_lines: int, *, shape: str, ran: int, repeat: int, before: str) -> None:
+def bench_finalize(
+    store: S3ObjectStore, n_lines: int, *, shape: str, ran: int, repeat: int, before: str, s3_server: list[Any]
+) -> None:
     """`finalize_batch` of one fresh Postgres batch, `repeat` times for git revision `before`'s
     jobs/output/finalize.py and for the working tree's, interleaved (the order swapped every round, so a
     slow stretch of the shared machine falls on both); each run checked to write the same."""
@@ -268,9 +302,11 @@ def bench_finalize(store: S3ObjectStore, n_lines: int, *, shape: str, ran: int, 
         runs: dict[str, list[dict[str, Any]]] = {label: [] for label in revisions}
         for round_ in range(repeat):
             for label in list(revisions)[:: 1 if round_ % 2 == 0 else -1]:
-                runs[label].append(run := _finalize_once(revisions[label], engine, store, batch))
+                runs[label].append(run := _finalize_once(revisions[label], engine, store, batch, s3_server))
                 print(
                     f"  round {round_ + 1} {label:<22} {run['seconds']:6.2f} s {run['bytes'] / MB / run['seconds']:7.1f} MB/s"
+                    f"  CPU s: here {run['cpu']:.2f}, Postgres {run['pg_cpu']:.2f}, S3 {run['s3_cpu']:.2f};"
+                    f" load {run['load']:.1f}"
                 )
         every = [run for results in runs.values() for run in results]
         written = {(repr(run["files"]), run["counters"]) for run in every}
@@ -279,17 +315,30 @@ def bench_finalize(store: S3ObjectStore, n_lines: int, *, shape: str, ran: int, 
         print(
             f"finalize_batch, {n_lines} lines on Postgres, shape {shape} ({files}; same bytes and counters every run):"
         )
-        print(f"{'':<22}{'median MB/s':>12}{'min':>8}{'max':>8}{'median s':>10}{'CPU s here':>12}")
+        print("median CPU seconds: here (the finalizing process), Postgres (the database's backends), S3 (the server)")
+        print(f"{'':<22}{'median MB/s':>12}{'min':>8}{'max':>8}{'median s':>10}{'here':>7}{'Postgres':>10}{'S3':>6}")
         summary = []
         for label, results in runs.items():
             rates = [r["bytes"] / MB / r["seconds"] for r in results]
             median = statistics.median(rates)
             seconds = statistics.median(r["seconds"] for r in results)
-            cpu = statistics.median(r["cpu"] for r in results)
-            print(f"{label:<22}{median:>12.1f}{min(rates):>8.1f}{max(rates):>8.1f}{seconds:>10.2f}{cpu:>12.2f}")
+            cpu = {side: statistics.median(r[side] for r in results) for side in ("cpu", "pg_cpu", "s3_cpu")}
+            print(
+                f"{label:<22}{median:>12.1f}{min(rates):>8.1f}{max(rates):>8.1f}{seconds:>10.2f}"
+                f"{cpu['cpu']:>7.2f}{cpu['pg_cpu']:>10.2f}{cpu['s3_cpu']:>6.2f}"
+            )
             summary.append(
                 f"{label.split()[0]}_mb_s={median:.1f} {label.split()[0]}_range={min(rates):.1f}-{max(rates):.1f}"
             )
+        # Each round runs both back to back: a round's speed-up (the before's seconds over the
+        # after's) is the steadier figure on a shared machine.
+        before_runs, after_runs = runs.values()
+        speedups = [b["seconds"] / a["seconds"] for b, a in zip(before_runs, after_runs, strict=True)]
+        loads = [r["load"] for r in every]
+        summary.append(
+            f"speedup={statistics.median(speedups):.2f} speedup_range={min(speedups):.2f}-{max(speedups):.2f}"
+        )
+        summary.append(f"load_1min={min(loads):.1f}-{max(loads):.1f}")
         print(f"finalize_batch: shape={shape} lines={n_lines} repeat={repeat} " + " ".join(summary))
     finally:
         engine.dispose()
@@ -340,7 +389,17 @@ def main() -> None:
         if args.mb:
             bench_put(store, args.mb, args.old_mb)
         if args.lines:
-            bench_finalize(store, args.lines, shape=args.shape, ran=args.ran, repeat=args.repeat, before=args.before)
+            s3_server = [*(top := psutil.Process()).children(recursive=True)]  # weed, started by SeaweedS3
+            assert top not in s3_server
+            bench_finalize(
+                store,
+                args.lines,
+                shape=args.shape,
+                ran=args.ran,
+                repeat=args.repeat,
+                before=args.before,
+                s3_server=s3_server,
+            )
 
 
 if __name__ == "__main__":
