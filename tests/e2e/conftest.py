@@ -82,7 +82,8 @@ def faults_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
 def fstack(
     faults_redis: RedisServer, faults_s3: SeaweedS3, send_counter: SendCounter, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
-    """The fault module's stack: on its own Redis and S3 server, the fleet behind the counter."""
+    """The fault module's stack: on its own Redis and S3 server, the fleet behind the counter, the
+    scheduler as two replicas (a leader and a standby)."""
     with fault_stack(
         tmp_path_factory.mktemp("faults"), redis_url=faults_redis.url + "/0", s3=faults_s3, counter=send_counter
     ) as s:

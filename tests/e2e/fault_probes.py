@@ -5,7 +5,8 @@
   client that hangs up is passed on to the fleet, so an aborted request is aborted there too.
 - `FleetInflight`: samples the fleet frontend's own in-flight gauge
   (`dynamo_frontend_inflight_requests`) in a thread.
-- `FaultReport`: every fault scenario records what it measured (a `FaultRecord`); after the run
+- `FaultReport`: every fault scenario records what it measured (a `FaultRecord`, with the
+  scheduler replicas that ran and the leader terms begun meanwhile); after the run
   the suite prints a table and, as its very last line,
   `faults: scenarios=N lost=L duplicated=D double_billed=B stuck=S max_over_limit=K`.
   A count is summed over the scenarios that measured it; max_over_limit is the most requests
@@ -40,6 +41,8 @@ class FaultRecord:
     resumed_s: float | None  # fault cleared -> the first line finishes again
     terminal_s: float | None  # fault cleared -> every batch terminal
     did: str = ""
+    schedulers: int = 0  # scheduler replicas running when it ended (a leader and a standby: 2)
+    leader_terms: int = 0  # leader terms begun during it (0: the leader it began with led throughout)
 
 
 @dataclass
@@ -64,14 +67,15 @@ class FaultReport:
             return "-" if v is None else f"{v:.1f}"
 
         rows = [
-            "| fault | requests | lost | duplicated | over cap | over limit | resumed (s) | all terminal (s) | what the service did |"
+            "| fault | requests | lost | duplicated | over cap | over limit | resumed (s) | all terminal (s) "
+            "| schedulers (new leader terms) | what the service did |"
         ]
-        rows.append("|---|---|---|---|---|---|---|---|---|")
+        rows.append("|---|---|---|---|---|---|---|---|---|---|")
         for r in self.records:
             rows.append(
                 f"| {r.name} | {r.requests} | {r.lost} | {r.duplicated} | {r.over_cap} | "
                 f"{'na' if r.max_over_limit is None else f'{r.max_over_limit} (peak {r.fleet_peak}/{r.limit})'} | "
-                f"{s(r.resumed_s)} | {s(r.terminal_s)} | {r.did} |"
+                f"{s(r.resumed_s)} | {s(r.terminal_s)} | {r.schedulers} ({r.leader_terms}) | {r.did} |"
             )
         return rows
 

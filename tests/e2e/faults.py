@@ -5,7 +5,9 @@ unreachable for 20 s (its connections cut) and Postgres itself stopped for 20 s 
 private cluster), a worker SIGKILLed repeatedly, a poison line (one that takes its worker down
 every time it runs), SeaweedFS stopped while batches finalize, a mocker engine SIGKILLed, the
 fleet frontend stopped, and one of two backfill "hosts" (API + worker, behind one round-robin
-address) lost.
+address) lost. The scheduler runs as two replicas in every scenario, as a deployment with a
+standby does: one leads (the leader lease, `scheduler.leadership`), the other stands by; a
+scenario that signals "the scheduler" signals the leader, and leaves both replicas running.
 
 After each: every batch is terminal within a minute of the fault clearing; output + error files
 hold exactly one line per request; the ledger has one row per executed (succeeded) request; no
@@ -21,12 +23,13 @@ period.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,10 +37,11 @@ from typing import Any
 import httpx
 import openai
 import psycopg
+import redis
 
 from backfill.devfleet.s3 import SeaweedS3
 from backfill.devfleet.services import PG_ADMIN_URL
-from backfill.devfleet.stack import PROCESSES, Stack, launch_stack
+from backfill.devfleet.stack import Stack, launch_stack
 from tests.e2e.fault_probes import FaultRecord, FaultReport, FleetInflight, SendCounter
 from tests.e2e.helpers import chat_line, jsonl, read_lines, upload, wait_until
 
@@ -63,6 +67,13 @@ SETTINGS = {
 }
 
 
+# The scheduler's replicas (`backfill scheduler` twice, on one Redis): one leads, one stands by.
+SCHEDULERS = ("scheduler", "scheduler-b")
+LEADER_KEY = "backfill:leader:scheduler"  # the lease's Redis key: its value is the leader's token
+LEADS = re.compile(r"this scheduler leads now \(token ([0-9a-f]{8})\)")  # a replica's new term
+
+
+@contextmanager
 def fault_stack(
     workdir: Path,
     *,
@@ -70,12 +81,13 @@ def fault_stack(
     s3: SeaweedS3,
     counter: SendCounter,
     pg_admin_url: str = PG_ADMIN_URL,
-    processes: Sequence[str] = PROCESSES,
+    processes: Sequence[str] = ("api", "worker"),
     api_port: int | None = None,
-) -> AbstractContextManager[Stack]:
+) -> Iterator[Stack]:
     """A stack with the fault settings on a fresh database of `pg_admin_url`'s server and an
-    emptied Redis database, its fleet reached through the send counter."""
-    return launch_stack(
+    emptied Redis database, its fleet reached through the send counter: `processes`, and the
+    scheduler as two replicas (`SCHEDULERS`), one of them leading by the time it is handed out."""
+    with launch_stack(
         workdir,
         settings=SETTINGS,
         processes=processes,
@@ -86,7 +98,81 @@ def fault_stack(
         name="faults",
         redis_url=redis_url,
         flush=True,
-    )
+    ) as stack:
+        for name in SCHEDULERS:
+            stack.start(name, kind="scheduler")
+        wait_for_leader(stack)
+        yield stack
+
+
+# -- the scheduler's replicas ----------------------------------------------------------------
+
+
+def leader_token(stack: Stack) -> str | None:
+    """The first 8 characters of the leader lease's token (as the replicas log it), if held."""
+    with redis.Redis.from_url(stack.redis_url, decode_responses=True, socket_timeout=2) as r:
+        value = r.get(LEADER_KEY)
+    return str(value)[:8] if value is not None else None
+
+
+def replica_of(stack: Stack, token: str) -> str | None:
+    """The replica that began the term `token`, from the replicas' logs."""
+    for name in SCHEDULERS:
+        if token in LEADS.findall(stack.log(name)):
+            return name
+    return None
+
+
+def leader(stack: Stack) -> str | None:
+    """The replica that leads now, if one does."""
+    token = leader_token(stack)
+    return None if token is None else replica_of(stack, token)
+
+
+def wait_for_leader(stack: Stack, timeout_s: float = RECOVER_WITHIN_S) -> str:
+    """The leading replica, once one leads (a lease that lapsed is taken within a TTL or two)."""
+    found: list[str] = []
+
+    def leads() -> bool:
+        try:
+            name = leader(stack)
+        except redis.ConnectionError:  # (a scenario restarting Redis)
+            return False
+        found[:] = [name] if name else []
+        return bool(found)
+
+    wait_until("a scheduler replica leads", leads, timeout_s=timeout_s, every_s=0.1)
+    return found[0]
+
+
+def standby_of(name: str) -> str:
+    """The other replica."""
+    (other,) = [n for n in SCHEDULERS if n != name]
+    return other
+
+
+def replicas_running(stack: Stack) -> list[str]:
+    return [n for n in SCHEDULERS if n in stack.procs and stack.procs[n].poll() is None]
+
+
+def restart_replicas(stack: Stack) -> list[str]:
+    """Start again each replica a scenario stopped (the next scenario finds two); returns them."""
+    gone = [n for n in SCHEDULERS if n not in replicas_running(stack)]
+    for name in gone:
+        stack.procs.pop(name, None)
+        stack.start(name, kind="scheduler")
+    return gone
+
+
+def scheduler_log_marks(stack: Stack) -> dict[str, int]:
+    """Where each replica's log ends now: `scheduler_logs(stack, since=...)` reads on from there."""
+    return {name: len(stack.log(name)) for name in SCHEDULERS}
+
+
+def scheduler_logs(stack: Stack, since: Mapping[str, int] | None = None) -> str:
+    """What the replicas logged (since `since`, by default from their start), one after the other."""
+    marks = since or {}
+    return "\n".join(stack.log(name)[marks.get(name, 0) :] for name in SCHEDULERS)
 
 
 def make_teams(stack: Stack) -> list[openai.OpenAI]:
@@ -176,14 +262,21 @@ def under_way(db_url: str, load: Load, share: float = 0.2) -> None:
 
 @dataclass
 class Window:
-    """What the fleet saw from the moment the load starts."""
+    """What the fleet saw from the moment the load starts, and which scheduler replicas led."""
 
     counter: SendCounter
     gauge: FleetInflight
+    stack: Stack
+    scheduler_logs: dict[str, int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.counter.window()
         self.gauge.window()
+        self.scheduler_logs = scheduler_log_marks(self.stack)
+
+    def terms(self) -> int:
+        """Leader terms begun since the window opened (a handover begins one)."""
+        return len(LEADS.findall(scheduler_logs(self.stack, since=self.scheduler_logs)))
 
 
 def settle(
@@ -243,9 +336,13 @@ def settle(
         resumed_s=resumed_s,
         terminal_s=terminal_s,
         did=did,
+        schedulers=len(replicas_running(window.stack)),
+        leader_terms=window.terms(),
     )
     report.record(rec)
     assert (stuck, lost, duplicated, double_billed, over_cap) == (0, 0, 0, 0, 0), rec
+    # What the next scenario starts from: a leader and a standby.
+    assert rec.schedulers == len(SCHEDULERS), f"{len(SCHEDULERS)} scheduler replicas should be running: {rec}"
     if rec.max_over_limit is not None:
         assert rec.max_over_limit <= 1, rec
     return rec
@@ -272,8 +369,9 @@ def resent_unaccounted(db_url: str, load: Load, counter: SendCounter) -> int:
     return len(bad)
 
 
-def reclaims_logged(stack: Stack, since: int) -> list[str]:
-    return [ln for ln in stack.log("scheduler")[since:].splitlines() if "lines back from lapsed drains" in ln]
+def reclaims_logged(stack: Stack, since: Mapping[str, int] | None = None) -> list[str]:
+    """The reconciler's reclaims the replicas logged since `since` (`scheduler_log_marks`)."""
+    return [ln for ln in scheduler_logs(stack, since).splitlines() if "lines back from lapsed drains" in ln]
 
 
 def terminate(stack: Stack, name: str, timeout_s: float) -> float:

@@ -17,6 +17,7 @@ from tests.e2e.faults import (
     finished,
     reclaims_logged,
     resent_unaccounted,
+    scheduler_log_marks,
     settle,
     submit,
     under_way,
@@ -34,10 +35,10 @@ def test_redis_restarted_mid_batch(
     faults_db: str,
     faults_redis: RedisServer,
 ) -> None:
-    window = Window(send_counter, fleet_inflight)
+    window = Window(send_counter, fleet_inflight, fstack)
     load = submit(teams, "redis-restart")
     under_way(faults_db, load)
-    log_before = len(fstack.log("scheduler"))
+    log_before = scheduler_log_marks(fstack)
     faults_redis.stop()
     time.sleep(2.0)
     faults_redis.start()  # empty: no heartbeats, no leases, no queued messages

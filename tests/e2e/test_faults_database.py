@@ -27,6 +27,7 @@ from tests.e2e.faults import (
     make_teams,
     reclaims_logged,
     resent_unaccounted,
+    scheduler_log_marks,
     settle,
     submit,
     under_way,
@@ -67,10 +68,10 @@ def test_postgres_unreachable_for_20s_mid_drain(
     fault_report: FaultReport,
     faults_db: str,
 ) -> None:
-    window = Window(send_counter, fleet_inflight)
+    window = Window(send_counter, fleet_inflight, fstack)
     load = submit(teams, "pg-outage")
     under_way(faults_db, load)
-    log_before = len(fstack.log("scheduler"))
+    log_before = scheduler_log_marks(fstack)
     sends_before = sum(send_counter.sends.values())
     outage = _block_database(faults_db, 20.0)
     time.sleep(5.0)
@@ -139,7 +140,7 @@ def test_postgres_restarted_and_held_down_20s(
     checkpoint), stays down 20 s (connections refused), and starts again with crash recovery."""
     cluster, db, stack = pg_private_stack.cluster, pg_private_stack.db_url, pg_private_stack.stack
     teams = make_teams(stack)
-    window = Window(send_counter, fleet_inflight)
+    window = Window(send_counter, fleet_inflight, stack)
     load = submit(teams, "pg-restart")
     under_way(db, load)
     sends_before = sum(send_counter.sends.values())
@@ -164,7 +165,7 @@ def test_postgres_restarted_and_held_down_20s(
         finished_at_clear=at_clear,
     )
     assert sends_during == 0, f"{sends_during} requests sent while the database was down"
-    assert reclaims_logged(stack, 0) == [], "lines were taken from live drains"
+    assert reclaims_logged(stack) == [], "lines were taken from live drains"
     assert resent_unaccounted(db, load, send_counter) == 0, "a line was sent again without cause"
     assert "replies given up" not in stack.log("worker")
     assert all(p.poll() is None for p in stack.procs.values()), "a process died of the outage"

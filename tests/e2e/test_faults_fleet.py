@@ -36,7 +36,7 @@ def test_mocker_worker_killed_mid_batch(
 ) -> None:
     """One of the fleet's two engines is SIGKILLed with requests on it, and started again 5 s later
     (its stale registration lingers at the frontend meanwhile)."""
-    window = Window(send_counter, fleet_inflight)
+    window = Window(send_counter, fleet_inflight, fstack)
     load = submit(teams, "mocker-kill", slow_each=2)
     under_way(faults_db, load, share=0.3)
     log_before = len(fstack.log("worker"))
@@ -81,7 +81,7 @@ def test_fleet_frontend_stopped_mid_batch(
 ) -> None:
     """The only deployment's frontend is SIGKILLed and started again 15 s later: the proxy in front
     of it (as a load balancer would) answers 502 meanwhile."""
-    window = Window(send_counter, fleet_inflight)
+    window = Window(send_counter, fleet_inflight, fstack)
     load = submit(teams, "frontend-stop")
     under_way(faults_db, load, share=0.3)
     log_before = len(fstack.log("worker"))

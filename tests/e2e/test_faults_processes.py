@@ -1,5 +1,5 @@
 """Faults of backfill's own processes, each during a running load of several batches from two
-teams: SIGTERM of a worker and of the scheduler, a worker SIGKILLed repeatedly, a poison line
+teams: SIGTERM of a worker and of the leading scheduler replica, a worker SIGKILLed repeatedly, a poison line
 (one that takes its worker down every time it runs), and one of two backfill "hosts" (API +
 worker, behind one round-robin address) lost. What each checks afterwards: tests/e2e/faults.py.
 """
@@ -22,7 +22,9 @@ from backfill.devfleet.stack import Stack
 from tests.e2e.fault_probes import FaultReport, FleetInflight, SendCounter
 from tests.e2e.faults import (
     GRACE_S,
+    LEADS,
     MAX_ATTEMPTS,
+    RECOVER_WITHIN_S,
     Window,
     fault_stack,
     finished,
@@ -30,12 +32,17 @@ from tests.e2e.faults import (
     reclaims_logged,
     resent,
     resent_unaccounted,
+    restart_replicas,
+    scheduler_log_marks,
+    scheduler_logs,
     settle,
     sql,
+    standby_of,
     submit,
     terminal,
     terminate,
     under_way,
+    wait_for_leader,
 )
 from tests.e2e.helpers import chat_line, read_lines, wait_until
 
@@ -50,7 +57,7 @@ def test_sigterm_worker_mid_batch(
     fault_report: FaultReport,
     faults_db: str,
 ) -> None:
-    window = Window(send_counter, fleet_inflight)
+    window = Window(send_counter, fleet_inflight, fstack)
     # A few requests that run far longer than the grace: they are aborted at its end.
     slow = [chat_line(1000 + k, max_tokens=4000, prefix="sigterm-worker slow ") for k in range(4)]
     load = submit(teams, "sigterm-worker", extra=slow)
@@ -102,19 +109,32 @@ def test_sigterm_scheduler_mid_batch(
     fault_report: FaultReport,
     faults_db: str,
 ) -> None:
-    window = Window(send_counter, fleet_inflight)
+    """SIGTERM to the leading replica (a rolling update, a node drained): its loop stops after
+    its step, it lets go of the lease as it exits and the standby leads at its next poll."""
+    window = Window(send_counter, fleet_inflight, fstack)
     load = submit(teams, "sigterm-scheduler")
     under_way(faults_db, load)
-    log_before = len(fstack.log("scheduler"))
-    took = terminate(fstack, "scheduler", timeout_s=15)
+    leading = wait_for_leader(fstack)
+    standby = standby_of(leading)
+    log_before = scheduler_log_marks(fstack)
+    took = terminate(fstack, leading, timeout_s=15)
     assert took <= 5, f"the scheduler took {took:.1f} s to stop"
-    time.sleep(2.0)
+    stopped = time.monotonic()
+    wait_until(
+        "the standby leads",
+        lambda: bool(LEADS.search(fstack.log(standby)[log_before[standby] :])),
+        timeout_s=RECOVER_WITHIN_S,
+        every_s=0.05,
+    )
+    takeover_s = time.monotonic() - stopped
     at_clear = finished(faults_db, load)
-    fstack.start("scheduler")
+    restart_replicas(fstack)  # the stopped replica comes back as the standby
     cleared = time.monotonic()
     settle(
-        "SIGTERM scheduler",
-        f"loop stopped after its tick, exited in {took:.1f} s; running drains carried on; the restarted loop finalized",
+        "SIGTERM leading scheduler",
+        f"the leader's loop stopped after its step and it exited in {took:.1f} s, letting go of the lease; "
+        f"the standby led {takeover_s:.1f} s later; running drains carried on; the stopped replica, started "
+        "again, stood by",
         load,
         db_url=faults_db,
         cleared_at=cleared,
@@ -134,7 +154,7 @@ def test_sigkill_worker_repeatedly(
     fault_report: FaultReport,
     faults_db: str,
 ) -> None:
-    window = Window(send_counter, fleet_inflight)
+    window = Window(send_counter, fleet_inflight, fstack)
     load = submit(teams, "sigkill")
     under_way(faults_db, load, share=0.15)
     kills = MAX_ATTEMPTS - 1  # a line in flight at every kill still has an attempt left
@@ -173,7 +193,7 @@ def test_poison_line_goes_to_the_error_file(
 ) -> None:
     """A line that takes its worker down every time it runs (played here by SIGKILLing the worker
     whenever that line, and only it, is in flight) ends in the error file after the cap."""
-    window = Window(send_counter, fleet_inflight)
+    window = Window(send_counter, fleet_inflight, fstack)
     poison = chat_line(9999, max_tokens=20000, prefix="poison ")
     load = submit(teams[:1], "poison", per_batch=20, per_team=1, extra=[poison])
     (batch_id,) = load.db_ids
@@ -246,8 +266,8 @@ def two_hosts(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[TwoHosts]:
     """backfill as a deployment that outgrew one machine: on each of two "hosts" an API and a
-    worker (each with a BACKFILL_HOME of its own), one scheduler, one address in front of both
-    APIs (round robin), one database, one Redis, one object store."""
+    worker (each with a BACKFILL_HOME of its own), the scheduler's two replicas, one address in
+    front of both APIs (round robin), one database, one Redis, one object store."""
     ports = {"api-a": free_port(), "api-b": free_port()}
     balancer = FaultProxy([f"http://127.0.0.1:{p}" for p in ports.values()]).start()
     try:
@@ -263,7 +283,6 @@ def two_hosts(
                 home = tmp_path_factory.mktemp(f"host-{host}")
                 s.start(f"api-{host}", kind="api", port=ports[f"api-{host}"], home=home)
                 s.start(f"worker-{host}", kind="worker", home=home)
-            s.start("scheduler")
             for port in ports.values():  # each API answers on its own, not just one of them
                 wait_until(
                     f"the API on {port} answers",
@@ -284,7 +303,7 @@ def test_two_hosts_one_lost_mid_batch(
 ) -> None:
     stack, db = two_hosts.stack, two_hosts.db_url
     teams = make_teams(stack)  # through the one address
-    window = Window(send_counter, fleet_inflight)
+    window = Window(send_counter, fleet_inflight, stack)
     load = submit(teams, "two-hosts", per_batch=100)
     under_way(db, load, share=0.25)
     worked = {h: stack.log(f"worker-{h}").count("drain[") for h in ("a", "b")}
@@ -310,5 +329,5 @@ def test_two_hosts_one_lost_mid_batch(
 
 
 def test_logs_name_what_the_reconciler_did(fstack: Stack) -> None:
-    """The reclaims above were logged by the reconciler, batch by batch."""
-    assert re.search(r"reconciler: batch \w+: took \d+ lines back from lapsed drains", fstack.log("scheduler"))
+    """The reclaims above were logged by the reconciler (of the replica leading then), batch by batch."""
+    assert re.search(r"reconciler: batch \w+: took \d+ lines back from lapsed drains", scheduler_logs(fstack))

@@ -1,6 +1,7 @@
-"""Two scheduler replicas, one leader: SIGKILL the leader mid-batch and the standby takes over;
-SIGSTOP the leader past its lease and the standby takes over, and the old leader, resumed with
-SIGCONT, stands by and never acts as leader again.
+"""Two scheduler replicas, one leader (as in every fault scenario, `tests/e2e/faults.py`): SIGKILL
+the leader mid-batch and the standby takes over; SIGSTOP the leader past its lease and the standby
+takes over, and the old leader, resumed with SIGCONT, stands by and never acts as leader again.
+Each scenario leaves both replicas running (a killed one is started again, as the standby).
 
 What it checks, besides the promises every fault test checks (tests/e2e/faults.py: every batch
 terminal, no line lost or duplicated, none billed twice, the fleet never above the limit): only
@@ -10,37 +11,34 @@ one replica leads at a time, and the standby leads within about 10 s of the lead
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
 
 import openai
 import pytest
-import redis
 
 from backfill.devfleet.stack import Stack
 from tests.e2e.fault_probes import FaultReport, FleetInflight, SendCounter
-from tests.e2e.faults import Window, finished, resent_unaccounted, settle, submit, under_way
+from tests.e2e.faults import (
+    LEADS,
+    Window,
+    finished,
+    leader_token,
+    replica_of,
+    resent_unaccounted,
+    restart_replicas,
+    settle,
+    standby_of,
+    submit,
+    under_way,
+    wait_for_leader,
+)
 from tests.e2e.helpers import wait_until
 
 pytestmark = pytest.mark.e2e
 
-LEADER_KEY = "backfill:leader:scheduler"
 TAKEOVER_WITHIN_S = 10.0
 LEADER_TTL_S = 6.0  # BACKFILL_SCHEDULER_LEADER_TTL_S's default
-LEADS = re.compile(r"this scheduler leads now \(token ([0-9a-f]{8})\)")
-
-
-def _leader_token(stack: Stack) -> str | None:
-    value = redis.Redis.from_url(stack.redis_url, decode_responses=True).get(LEADER_KEY)
-    return str(value)[:8] if value is not None else None
-
-
-def _replica_of(stack: Stack, token: str) -> str | None:
-    for name in ("scheduler", "scheduler-b"):
-        if token in LEADS.findall(stack.log(name)):
-            return name
-    return None
 
 
 def test_sigkill_the_leading_scheduler_mid_batch(
@@ -51,19 +49,18 @@ def test_sigkill_the_leading_scheduler_mid_batch(
     fault_report: FaultReport,
     faults_db: str,
 ) -> None:
-    fstack.start("scheduler-b", kind="scheduler")
-    wait_until("a leader", lambda: _leader_token(fstack) is not None, timeout_s=30, every_s=0.1)
-    window = Window(send_counter, fleet_inflight)
+    restart_replicas(fstack)  # (after a scenario that failed before starting its replica again)
+    wait_for_leader(fstack)
+    window = Window(send_counter, fleet_inflight, fstack)
     load = submit(teams, "sigkill-leader", slow_each=2)
     under_way(faults_db, load)
 
-    token = _leader_token(fstack)
+    leader = wait_for_leader(fstack)
+    token = leader_token(fstack)
     assert token is not None
-    leader = _replica_of(fstack, token)
-    assert leader is not None, "the lease's token names no replica"
-    standby = "scheduler-b" if leader == "scheduler" else "scheduler"
-    assert LEADS.findall(fstack.log(standby)) == [], "the standby led while the leader lived"
+    standby = standby_of(leader)
     standby_log_before = len(fstack.log(standby))
+    assert not LEADS.search(fstack.log(standby)[window.scheduler_logs[standby] :]), "the standby led meanwhile"
     at_kill = finished(faults_db, load)
 
     fstack.kill(leader)
@@ -75,13 +72,15 @@ def test_sigkill_the_leading_scheduler_mid_batch(
         every_s=0.05,
     )
     takeover_s = time.monotonic() - killed
-    new_token = _leader_token(fstack)
+    new_token = leader_token(fstack)
     assert new_token is not None and new_token != token
-    assert _replica_of(fstack, new_token) == standby
+    assert replica_of(fstack, new_token) == standby
+    restart_replicas(fstack)  # the killed replica comes back, as the standby now
 
     record = settle(
         "SIGKILL leading scheduler",
-        f"standby scheduler led {takeover_s:.1f} s after the leader's SIGKILL (lease TTL 6 s)",
+        f"standby scheduler led {takeover_s:.1f} s after the leader's SIGKILL (lease TTL 6 s); the killed "
+        "replica, started again, stood by",
         load,
         db_url=faults_db,
         cleared_at=killed,
@@ -112,19 +111,16 @@ def test_sigstop_the_leading_scheduler_past_its_lease_then_resume_it(
     standby leads within 3 lease TTLs. Resumed, the old leader's clock and its next renewal both
     say it lost the lease, so it stops at its next step and stands by; nothing is lost, sent
     twice or billed twice."""
-    for name in ("scheduler", "scheduler-b"):
-        if name not in fstack.procs:
-            fstack.start(name, kind="scheduler")
-    wait_until("a leader", lambda: _leader_token(fstack) is not None, timeout_s=30, every_s=0.1)
-    window = Window(send_counter, fleet_inflight)
+    restart_replicas(fstack)  # (after a scenario that failed before starting its replica again)
+    wait_for_leader(fstack)
+    window = Window(send_counter, fleet_inflight, fstack)
     load = submit(teams, "sigstop-leader", slow_each=2)
     under_way(faults_db, load)
 
-    token = _leader_token(fstack)
+    leader = wait_for_leader(fstack)
+    token = leader_token(fstack)
     assert token is not None
-    leader = _replica_of(fstack, token)
-    assert leader is not None, "the lease's token names no replica"
-    standby = "scheduler-b" if leader == "scheduler" else "scheduler"
+    standby = standby_of(leader)
     standby_log_before = len(fstack.log(standby))
     at_pause = finished(faults_db, load)
 
@@ -144,9 +140,9 @@ def test_sigstop_the_leading_scheduler_past_its_lease_then_resume_it(
         os.killpg(fstack.procs[leader].pid, signal.SIGCONT)
     resumed = time.monotonic()
     wait_until("the resumed replica stands by", lambda: LOST in fstack.log(leader)[leader_log_before:], timeout_s=30)
-    new_token = _leader_token(fstack)
+    new_token = leader_token(fstack)
     assert new_token is not None and new_token != token
-    assert _replica_of(fstack, new_token) == standby
+    assert replica_of(fstack, new_token) == standby
 
     record = settle(
         "SIGSTOP leading scheduler, then SIGCONT",
@@ -165,4 +161,4 @@ def test_sigstop_the_leading_scheduler_past_its_lease_then_resume_it(
     assert resent_unaccounted(faults_db, load, send_counter) == 0
     after_resume = fstack.log(leader)[leader_log_before:]
     assert not LEADS.search(after_resume), "the resumed replica led again while the standby lived"
-    assert _replica_of(fstack, _leader_token(fstack) or "") == standby
+    assert replica_of(fstack, leader_token(fstack) or "") == standby

@@ -66,7 +66,7 @@ def test_s3_stopped_during_finalization(
 ) -> None:
     """The object store goes away once every line is claimed, so the batches finish their lines
     and reach finalization while no file can be written; it comes back after a while."""
-    window = Window(send_counter, fleet_inflight)
+    window = Window(send_counter, fleet_inflight, fstack)
     load = submit(teams, "s3-outage", slow_each=2)
 
     def all_claimed() -> bool:
