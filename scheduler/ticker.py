@@ -3,10 +3,11 @@
 Each tick: expire overdue batches, finish cancellations, reconcile (reclaim lines whose
 worker died, resume batches that stopped making progress), re-nudge validations the broker
 lost, start finalization, and keep drains running while there is pending work; every
-`retention_interval_s`, apply retention. Every step is idempotent, so two schedulers are
-merely wasteful; still, a leader asks whether it still leads before each step (`Ticker.fence`),
-so one that was paused or stuck and lost its lease meanwhile stops at the next step, and each
-ask tells the lease keeper the loop is making progress (`scheduler.leadership`).
+`retention_interval_s`, apply retention. Every step is idempotent and harmless run by two
+schedulers at once (why, step by step: docs/operations.md, "Two schedulers at once"; shown by
+tests/scheduler/test_fencing.py); still, a leader asks whether it still leads before each step
+(`Ticker.fence`), so one that was paused or stuck and lost its lease meanwhile stops at the next
+step, and each ask tells the lease keeper the loop is making progress (`scheduler.leadership`).
 """
 
 from __future__ import annotations
