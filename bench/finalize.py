@@ -170,8 +170,9 @@ def load_output_revision(rev: str) -> ModuleType:
     return module
 
 
-def _make_batch(engine: Any, n_lines: int, shape: str, ran: int) -> tuple[str, str, str]:
-    """(batch id, team id, the status finalization starts from) of a fresh batch in `shape`."""
+def _make_batch(engine: Any, n_lines: int, shape: str, ran: int, *, vacuum: bool = True) -> tuple[str, str, str]:
+    """(batch id, team id, the status finalization starts from) of a fresh batch in `shape`;
+    unless `vacuum`, its rows are as just written (no hint bits, no statistics)."""
     from sqlalchemy.orm import Session
 
     from backfill.jobs.models import Batch, BatchStatus, Team, utcnow
@@ -180,7 +181,7 @@ def _make_batch(engine: Any, n_lines: int, shape: str, ran: int) -> tuple[str, s
     ran = min(ran, n_lines) if expired else n_lines
     body = orjson.dumps({"choices": [{"message": {"content": "y" * 480}}], "usage": {"prompt_tokens": 9}})
     with Session(engine) as s, s.begin():
-        team = Team(name="bench")
+        team = Team(name=f"bench-{secrets.token_hex(4)}")
         s.add(team)
         s.flush()
         now = utcnow()
@@ -206,8 +207,9 @@ def _make_batch(engine: Any, n_lines: int, shape: str, ran: int) -> tuple[str, s
             for start in range(1, n_lines + 1, 100_000):
                 params = {"batch_id": batch_id, "body": body.decode(), "ran": ran, "running": RUNNING_AT_EXPIRY}
                 cursor.execute(_INSERT_LINES, {**params, "start": start, "end": min(start + 99_999, n_lines)})
-    with engine.connect() as connection:  # settled pages and fresh statistics: every run reads the same
-        connection.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql("VACUUM ANALYZE batch_requests")
+    if vacuum:
+        with engine.connect() as connection:  # settled pages and fresh statistics: every run reads the same
+            connection.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql("VACUUM ANALYZE batch_requests")
     return batch_id, team_id, status
 
 
@@ -270,7 +272,9 @@ def _finalize_once(
     with Session(engine) as s:
         b = s.get(Batch, batch_id)
         assert b is not None
-        counters: tuple[Any, ...] = (b.status, b.output_file_id, b.error_file_id, b.completed, b.failed)
+        # (whether each file is named, not its id: the id derives from the batch's, one a run with --fresh)
+        counters: tuple[Any, ...] = (b.status, b.output_file_id is not None, b.error_file_id is not None)
+        counters += (b.completed, b.failed)
         counters += (b.input_tokens, b.cached_tokens, b.output_tokens, b.reasoning_tokens)
     return {
         "seconds": seconds,
@@ -285,7 +289,15 @@ def _finalize_once(
 
 
 def bench_finalize(
-    store: S3ObjectStore, n_lines: int, *, shape: str, ran: int, repeat: int, before: str, s3_server: list[Any]
+    store: S3ObjectStore,
+    n_lines: int,
+    *,
+    shape: str,
+    ran: int,
+    repeat: int,
+    before: str,
+    s3_server: list[Any],
+    fresh: bool = False,
 ) -> None:
     """`finalize_batch` of one fresh Postgres batch, `repeat` times for git revision `before`'s
     jobs/output/finalize.py and for the working tree's, interleaved (the order swapped every round, so a
@@ -297,11 +309,13 @@ def bench_finalize(
     name = f"backfill_bench_{secrets.token_hex(4)}"
     engine = make_engine(create_database(PG_ADMIN_URL, name))
     try:
-        batch = _make_batch(engine, n_lines, shape, ran)
+        batch = _make_batch(engine, n_lines, shape, ran, vacuum=not fresh)
         revisions = {f"before ({before})": load_output_revision(before), "after (working tree)": after}
         runs: dict[str, list[dict[str, Any]]] = {label: [] for label in revisions}
         for round_ in range(repeat):
             for label in list(revisions)[:: 1 if round_ % 2 == 0 else -1]:
+                if fresh and any(runs.values()):  # the first run reads the batch made above
+                    batch = _make_batch(engine, n_lines, shape, ran, vacuum=False)  # never read before
                 runs[label].append(run := _finalize_once(revisions[label], engine, store, batch, s3_server))
                 print(
                     f"  round {round_ + 1} {label:<22} {run['seconds']:6.2f} s {run['bytes'] / MB / run['seconds']:7.1f} MB/s"
@@ -339,7 +353,7 @@ def bench_finalize(
             f"speedup={statistics.median(speedups):.2f} speedup_range={min(speedups):.2f}-{max(speedups):.2f}"
         )
         summary.append(f"load_1min={min(loads):.1f}-{max(loads):.1f}")
-        print(f"finalize_batch: shape={shape} lines={n_lines} repeat={repeat} " + " ".join(summary))
+        print(f"finalize_batch: shape={shape} fresh={fresh} lines={n_lines} repeat={repeat} " + " ".join(summary))
     finally:
         engine.dispose()
         drop_database(PG_ADMIN_URL, name)
@@ -371,6 +385,11 @@ def main() -> None:
     parser.add_argument("--ran", type=int, default=3000, help="lines that ran before an expired batch expired")
     parser.add_argument("--repeat", type=int, default=3, help="finalize_batch runs of each revision")
     parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="each run finalizes a batch of its own, just written and never read or vacuumed (as after a real run)",
+    )
+    parser.add_argument(
         "--before", default="HEAD", help="git revision of jobs/output/{finalize,pages}.py to compare with"
     )
     args = parser.parse_args()
@@ -399,6 +418,7 @@ def main() -> None:
                 repeat=args.repeat,
                 before=args.before,
                 s3_server=s3_server,
+                fresh=args.fresh,
             )
 
 

@@ -92,38 +92,35 @@ def pages(units: UnitOfWork, batch_id: str, files: Files, *, pending_as: Request
 def _page_ranges(units: UnitOfWork, batch_id: str) -> Iterator[tuple[int, int]]:
     """Each page as (after this line, up to this one). Each ROWS_PER_FETCH line numbers are one
     page when their sizes sum to at most PAGE_BYTES (most batches: answers of a few KB), which
-    one aggregate row says, read for PLAN_RANGES such ranges by one statement; only otherwise are
-    their sizes read to cut them (`page_ends`). Ranges of line numbers, not LIMIT: a "next 5,000
-    lines" read under statistics not yet taken after a large run was planned as a scan and sort
-    of every line left, for each page. The statements are built once: building them again for
-    each range cost the finalizing process more CPU than the ranges' reads."""
+    one aggregate says, read for PLAN_RANGES such ranges by one statement (`_totals_query`);
+    only otherwise are their sizes read to cut them (`page_ends`). Ranges of line numbers, not
+    LIMIT: a "next 5,000 lines" read under statistics not yet taken after a large run was planned
+    as a scan and sort of every line left, for each page. The statements are built once:
+    building them again for each range cost the finalizing process more CPU than the reads."""
     c = BatchRequest.__table__.c
     with units() as session:
         last = session.execute(select(func.max(c.line)).where(c.batch_id == batch_id)).scalar() or 0
-        sizes = _sizes_query(session, batch_id).subquery()
-        index = ((sizes.c.line - bindparam("start") - 1) // ROWS_PER_FETCH).label("range_index")
-        totals = select(index, func.sum(sizes.c.size)).group_by(index)
+        totals = _totals_query(session, batch_id)
         line_sizes = _sizes_query(session, batch_id).order_by(c.line)
     planned = 0
     while planned < last:
-        group_end = min(planned + PLAN_RANGES * ROWS_PER_FETCH, last)
+        starts = range(planned, min(planned + PLAN_RANGES * ROWS_PER_FETCH, last), ROWS_PER_FETCH)
+        ranges = [(start, min(start + ROWS_PER_FETCH, last)) for start in starts]
+        bounds: dict[str, int] = {}
+        for n in range(PLAN_RANGES):
+            start, stop = ranges[n] if n < len(ranges) else (last, last)  # (the last statement's: fewer)
+            bounds |= {f"start_{n}": start, f"stop_{n}": stop}
         with units() as session:
-            # Ranges without a line (gaps in the numbering) have no row: nothing to cut there.
-            over = {
-                int(n)
-                for n, total in session.execute(totals, {"start": planned, "stop": group_end})
-                if total > PAGE_BYTES
-            }
-        for n, start in enumerate(range(planned, group_end, ROWS_PER_FETCH)):
-            stop = min(start + ROWS_PER_FETCH, group_end)
+            sums = session.execute(totals, bounds).one()
+        for (start, stop), total in zip(ranges, sums, strict=False):
             ends = [stop]
-            if n in over:
+            if total > PAGE_BYTES:
                 with units() as session:
                     ends = list(page_ends(session.execute(line_sizes, {"start": start, "stop": stop}).all()))
             for end in ends:
                 yield start, end
                 start = end
-        planned = group_end
+        planned = ranges[-1][1]
 
 
 def _pg_pages(
@@ -175,11 +172,31 @@ def _byte_length(session: Session, column: Any) -> ColumnElement[Any]:
     return func.coalesce(func.length(cast(column, LargeBinary)), 0)  # SQLite: a blob's length is its bytes
 
 
+def _line_size(session: Session) -> ColumnElement[Any]:
+    """What a line's bytes are planned as: its answer, its custom_id and LINE_OVERHEAD."""
+    c = BatchRequest.__table__.c
+    return cast(_byte_length(session, c.response_body) + _byte_length(session, c.custom_id) + LINE_OVERHEAD, Integer)
+
+
 def _sizes_query(session: Session, batch_id: str) -> Any:
     c = BatchRequest.__table__.c
-    size = _byte_length(session, c.response_body) + _byte_length(session, c.custom_id) + LINE_OVERHEAD
-    return select(c.line, cast(size, Integer).label("size")).where(
+    return select(c.line, _line_size(session).label("size")).where(
         c.batch_id == batch_id, c.line > bindparam("start"), c.line <= bindparam("stop")
+    )
+
+
+def _totals_query(session: Session, batch_id: str) -> Any:
+    """The sizes' sum of each of PLAN_RANGES ranges (start_n, stop_n]: a subquery each, read
+    through the primary key. (One GROUP BY over the ranges sorted their rows, and Postgres gave
+    it parallel workers, two processes started for each statement.)"""
+    c = BatchRequest.__table__.c
+    return select(
+        *(
+            select(func.coalesce(func.sum(_line_size(session)), 0))
+            .where(c.batch_id == batch_id, c.line > bindparam(f"start_{n}"), c.line <= bindparam(f"stop_{n}"))
+            .scalar_subquery()
+            for n in range(PLAN_RANGES)
+        )
     )
 
 
