@@ -168,8 +168,13 @@ class Admission:
         return sum(budgets) if budgets else None
 
     def batch_rate(self) -> float | None:
-        """Batch tokens/s (prompt + output) across the fleet, as the controller last measured it."""
-        published = self.leases.read(RATE_KEY)
+        """Batch tokens/s (prompt + output) across the fleet, as the controller last measured it;
+        None when nothing is published or the lease store cannot be read (the planner then
+        measures its own: a Redis restart must not end a drain with requests in flight)."""
+        try:
+            published = self.leases.read(RATE_KEY)
+        except RedisError:
+            return None
         try:
             return float(published) if published is not None else None
         except ValueError:

@@ -173,12 +173,17 @@ class Dispatcher:
         watcher = asyncio.create_task(self._calls.watch())
         slot_held = True
         try:
-            await self._release_loop(time.monotonic() + slice_s)
-            # Claiming is over: the slot goes now, not after the last reply (a long request can
-            # take minutes), so the scheduler starts a drain for work that arrives meanwhile. The
-            # requests still in flight hold their capacity leases, which is what bounds the fleet.
-            slot_held = not await self._release_slot(slot)
-            await self._finish_inflight()
+            try:
+                await self._release_loop(time.monotonic() + slice_s)
+                # Claiming is over: the slot goes now, not after the last reply (a long request can
+                # take minutes), so the scheduler starts a drain for work that arrives meanwhile. The
+                # requests still in flight hold their capacity leases, which is what bounds the fleet.
+                slot_held = not await self._release_slot(slot)
+            finally:
+                # Whatever ended the loop, even an error it could not handle, the requests already
+                # sent are answered and recorded first: the lines still held afterwards are given
+                # back as never sent, which a line whose request is out must not be.
+                await self._finish_inflight()
         finally:
             watcher.cancel()
             await self._returns.flush()

@@ -4,11 +4,14 @@ closed: requests go out. open: nothing goes out until a cool-down has passed. ha
 probe at a time goes out; its success closes the breaker, its failure opens it again.
 A closed breaker opens on evidence from a short window: at least `min_failures` transient
 failures (connection errors, timeouts, 5xx), and either at least `failure_ratio` of the
-window's calls failed or nothing but failures came back for `streak_s` since the last success
-(a deployment that just died still has a window full of good answers from before). The streak
-must last, not only count: when one of a deployment's engines dies, the requests it held fail
-together in one burst, while its other engines go on answering; a deployment that is down
-fails everything for as long as it is asked.
+window's calls failed or nothing but failures came back since the last success (a deployment
+that just died still has a window full of good answers from before). A streak is evidence once
+it is confirmed: `min_failures` of its failures were sent after it began, or it has lasted
+`streak_s`. When one of a deployment's engines dies, the requests it held fail together in one
+burst, all sent before the first of them failed, while its other engines go on answering; a
+deployment that is down also fails what is sent to it afterwards, and does so at once (a
+confirmation by time alone would let a drain pour its pending lines into a dead frontend for
+`streak_s`).
 
 With Redis every transition is one Lua script on one hash per deployment, timed by Redis's
 clock, so all workers run one state machine: one worker's evidence opens it for all, and only
@@ -50,7 +53,9 @@ class BreakerPolicy:
     buckets: int = 10  # the window slides in steps of window_s / buckets
     min_failures: int = 5  # never open on fewer failures than this within the window
     failure_ratio: float = 0.5  # open when this share of the window's calls failed
-    streak_s: float = 2.0  # or when only failures came back for this long (at least min_failures)
+    # Or when only failures came back since the last success (at least min_failures of them),
+    # and min_failures of them were sent after the first came back, or they lasted this long.
+    streak_s: float = 2.0
     cooldown_s: float = 5.0  # open -> half_open after this long
     probe_ttl_s: float = 30.0  # a probe that never reports frees its slot after this long
     # Each failed probe doubles the cool-down, up to this (0: it never grows), so a deployment
@@ -80,8 +85,9 @@ class Breaker(Protocol):
 
     async def allow(self) -> Permit: ...
 
-    async def record(self, *, ok: bool, probe: bool = False) -> BreakerState | None:
-        """Report a call's outcome; returns the new state when this report changed it."""
+    async def record(self, *, ok: bool, probe: bool = False, sent_s_ago: float = 0.0) -> BreakerState | None:
+        """Report a call's outcome (sent `sent_s_ago` seconds before this report); returns the
+        new state when this report changed it."""
         ...
 
     async def state(self) -> BreakerState: ...
@@ -104,13 +110,14 @@ class LocalBreaker:
         self._probe_until = 0.0
         self._streak = 0  # failures since the last success
         self._streak_since = 0.0  # when the first of them came back
+        self._streak_fresh = 0  # of them, the calls sent after the first came back
         self._counts: dict[int, list[int]] = {}  # bucket -> [calls, failures]
 
     async def allow(self) -> Permit:
         return self.allow_now()
 
-    async def record(self, *, ok: bool, probe: bool = False) -> BreakerState | None:
-        return self.record_now(ok=ok, probe=probe)
+    async def record(self, *, ok: bool, probe: bool = False, sent_s_ago: float = 0.0) -> BreakerState | None:
+        return self.record_now(ok=ok, probe=probe, sent_s_ago=sent_s_ago)
 
     async def state(self) -> BreakerState:
         return self._state
@@ -132,7 +139,7 @@ class LocalBreaker:
             return Permit(True, probe=True)
         return Permit(False, retry_after_s=self._probe_until - now)
 
-    def record_now(self, *, ok: bool, probe: bool = False) -> BreakerState | None:
+    def record_now(self, *, ok: bool, probe: bool = False, sent_s_ago: float = 0.0) -> BreakerState | None:
         now = time.monotonic()
         if self._state is BreakerState.half_open:
             if not probe:
@@ -151,11 +158,14 @@ class LocalBreaker:
             return None
         counts[1] += 1
         if self._streak == 0:
-            self._streak_since = now
+            self._streak_since, self._streak_fresh = now, 0
+        elif now - sent_s_ago > self._streak_since:
+            self._streak_fresh += 1
         self._streak += 1
         calls = sum(c for c, _ in self._counts.values())
         failures = sum(f for _, f in self._counts.values())
-        streak = self._streak >= p.min_failures and now - self._streak_since >= p.streak_s
+        confirmed = self._streak_fresh >= p.min_failures or now - self._streak_since >= p.streak_s
+        streak = self._streak >= p.min_failures and confirmed
         if failures >= p.min_failures and (failures >= p.failure_ratio * calls or streak):
             return self._open(now)
         return None
@@ -206,8 +216,10 @@ return {0, 0, tostring(probe_until - now)}
 # KEYS[1] = the deployment's hash; ARGV = ok, probe, window_s, buckets, min_failures,
 # failure_ratio, key_ttl_ms, calls (successes reported together: ok only), cooldown_s,
 # max_cooldown_s (a failed probe reopens it for twice as long as last time, up to this),
-# streak_s. Fields c:<bucket> / f:<bucket> count calls / failures per step of the window;
-# streak / streak_since the failures since the last success and when the first came back.
+# streak_s, sent_s_ago (how long before this report the call was sent, by the reporter's clock:
+# an age, so the hosts' clocks need not agree with Redis's). Fields c:<bucket> / f:<bucket>
+# count calls / failures per step of the window; streak / streak_since / fresh the failures
+# since the last success, when the first came back, and how many were sent after that.
 # Returns the new state when this report changed it, else ''.
 _RECORD = """
 local key, ok, probe = KEYS[1], ARGV[1] == '1', ARGV[2] == '1'
@@ -216,6 +228,7 @@ local min_failures, ratio, ttl_ms = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7
 local calls_n = tonumber(ARGV[8] or '1')
 local cooldown, max_cooldown = tonumber(ARGV[9] or '5'), tonumber(ARGV[10] or '0')
 local streak_s = tonumber(ARGV[11] or '0')
+local sent_ago = tonumber(ARGV[12] or '0')
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local state = redis.call('HGET', key, 'state') or 'closed'
@@ -251,8 +264,16 @@ if ok then
 end
 redis.call('HINCRBY', key, 'f:' .. b, 1)
 local streak = redis.call('HINCRBY', key, 'streak', 1)
-if streak == 1 then redis.call('HSET', key, 'streak_since', tostring(now)) end
+local fresh = 0
+if streak == 1 then
+  redis.call('HSET', key, 'streak_since', tostring(now), 'fresh', 0)
+end
 local since = tonumber(redis.call('HGET', key, 'streak_since') or tostring(now))
+if streak > 1 and now - sent_ago > since then
+  fresh = redis.call('HINCRBY', key, 'fresh', 1)
+else
+  fresh = tonumber(redis.call('HGET', key, 'fresh') or '0')
+end
 local calls, failures = 0, 0
 local all = redis.call('HGETALL', key)
 for i = 1, #all, 2 do
@@ -261,8 +282,8 @@ for i = 1, #all, 2 do
     if kind == 'c' then calls = calls + tonumber(all[i + 1]) else failures = failures + tonumber(all[i + 1]) end
   end
 end
-local lasted = streak >= min_failures and now - since >= streak_s
-if failures >= min_failures and (failures >= ratio * calls or lasted) then return open(false) end
+local confirmed = streak >= min_failures and (fresh >= min_failures or now - since >= streak_s)
+if failures >= min_failures and (failures >= ratio * calls or confirmed) then return open(false) end
 return ''
 """
 
@@ -297,7 +318,7 @@ class SharedBreaker:
                 self._redis_lost(exc)
         return self._fallback.allow_now()
 
-    async def record(self, *, ok: bool, probe: bool = False) -> BreakerState | None:
+    async def record(self, *, ok: bool, probe: bool = False, sent_s_ago: float = 0.0) -> BreakerState | None:
         if ok and not probe:
             # A success that is not the probe never changes the state (closed: it is counted;
             # half-open: only the probe speaks; open: a late answer), so successes go together:
@@ -312,12 +333,21 @@ class SharedBreaker:
             try:
                 changed = await self._record(
                     keys=[self.key],
-                    args=[int(ok), int(probe), *self._window_args(), 1, p.cooldown_s, p.max_cooldown_s, p.streak_s],
+                    args=[
+                        int(ok),
+                        int(probe),
+                        *self._window_args(),
+                        1,
+                        p.cooldown_s,
+                        p.max_cooldown_s,
+                        p.streak_s,
+                        sent_s_ago,
+                    ],
                 )
                 return BreakerState(changed) if changed else None
             except (RedisError, OSError) as exc:
                 self._redis_lost(exc)
-        return self._fallback.record_now(ok=ok, probe=probe)
+        return self._fallback.record_now(ok=ok, probe=probe, sent_s_ago=sent_s_ago)
 
     async def state(self) -> BreakerState:
         return BreakerState(await self._redis.hget(self.key, "state") or BreakerState.closed)

@@ -262,7 +262,7 @@ class FleetClient:
         overflow = i >= self.fleet_deployments
         failed = (reply.transient and reply.status_code >= 500) or (overflow and reply.status_code >= 400)
         breaker = self.breaker(i, model)
-        changed = await breaker.record(ok=not failed, probe=permit.probe)
+        changed = await breaker.record(ok=not failed, probe=permit.probe, sent_s_ago=reply.latency_s)
         if changed is BreakerState.open:
             log.warning("fleet deployment %s: circuit opened (last reply %d)", breaker.name, reply.status_code)
         elif changed is BreakerState.closed:

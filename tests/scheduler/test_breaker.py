@@ -37,8 +37,8 @@ def make_breaker(request: pytest.FixtureRequest, redis_url: str) -> Iterator[Cal
     yield make
 
 
-async def fail(b: Breaker, n: int) -> list[BreakerState | None]:
-    return [await b.record(ok=False) for _ in range(n)]
+async def fail(b: Breaker, n: int, *, sent_s_ago: float = 0.0) -> list[BreakerState | None]:
+    return [await b.record(ok=False, sent_s_ago=sent_s_ago) for _ in range(n)]
 
 
 async def succeed(b: Breaker, n: int) -> None:
@@ -87,12 +87,29 @@ def test_one_engine_dying_fails_a_burst_but_the_deployment_stays_closed(
     async def go() -> None:
         b = make_breaker(POLICY)
         await succeed(b, 12)
-        assert await fail(b, 6) == [None] * 6  # the dead engine's requests, all at once
+        # The dead engine's requests, all at once, each sent before the first of them failed.
+        assert await fail(b, 6, sent_s_ago=1.0) == [None] * 6
         for _ in range(3):  # then its share of new calls fails fast, the live engine's succeed
             await asyncio.sleep(POLICY.streak_s / 3)
             await succeed(b, 1)
             assert await fail(b, 1) == [None]
         assert await b.state() is BreakerState.closed
+
+    asyncio.run(go())
+
+
+def test_a_streak_of_calls_sent_after_it_began_opens_without_waiting(
+    make_breaker: Callable[[BreakerPolicy], Breaker],
+) -> None:
+    """A frontend that is down fails the requests it held (a burst, which alone is no evidence)
+    and then every request sent after that, at once: those confirm the streak, so the drain is
+    stopped before it pours its pending lines into the outage, however long streak_s is."""
+
+    async def go() -> None:
+        b = make_breaker(replace(POLICY, streak_s=60.0))
+        await succeed(b, 12)
+        assert await fail(b, 6, sent_s_ago=1.0) == [None] * 6
+        assert await fail(b, POLICY.min_failures) == [None] * (POLICY.min_failures - 1) + [BreakerState.open]
 
     asyncio.run(go())
 

@@ -257,3 +257,45 @@ def test_a_drain_past_its_slice_frees_its_slot_while_its_requests_finish(
     assert slots == 0, "the drain kept its slot while only finishing in-flight requests"
     assert inflight == 4 and capacity == 4  # still running, still holding their capacity leases
     assert leases.count("drains") == 0 and leases.count("fleet") == 0
+
+
+def test_a_drain_ended_by_an_error_records_the_replies_of_what_it_sent(
+    scratch_db: str, fleet: Any, redis_url: str
+) -> None:
+    """An error the release loop cannot handle ends the drain, but the requests it had sent are
+    still out: their replies are waited for and recorded. (They were given back as never sent,
+    so the next drain sent each again without an attempt: a Redis restart did that in CI.)"""
+    batch_id = batch_from_lines([chat(i, 200) for i in range(1, 5)])
+    leases = RedisLeaseStore(redis_url, namespace=f"sd-{secrets.token_hex(4)}")
+    admission = Admission(leases, fixed_limit=8, ttl_s=3.0)
+    plans = iter([[(batch_id, 4)]])
+
+    def planner(n: int) -> list[tuple[str, int]]:
+        try:
+            return next(plans)
+        except StopIteration:
+            raise RuntimeError("the planner broke") from None
+
+    async def scenario() -> tuple[str, int]:
+        fleet_client = FleetClient([fleet.base_url], timeout_s=120)
+        dispatcher = Dispatcher(
+            store=get_object_store(),
+            leases=leases,
+            admission=admission,
+            fleet=fleet_client,
+            planner=planner,
+            max_attempts=3,
+        )
+        try:
+            await asyncio.wait_for(dispatcher.run(30.0, max_drains=1), timeout=60)
+        except RuntimeError as exc:
+            return str(exc), dispatcher.sent
+        finally:
+            await fleet_client.aclose()
+        return "", dispatcher.sent
+
+    error, sent = asyncio.run(scenario())
+    assert error == "the planner broke"
+    assert [(r.state, r.attempts) for r in lines_of(batch_id)] == [(RequestState.succeeded, 0)] * 4
+    assert sent == 4
+    assert leases.count("fleet") == 0 and leases.count("drains") == 0

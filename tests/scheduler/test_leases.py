@@ -107,3 +107,12 @@ def test_concurrent_acquirers_on_postgres_never_pass_the_limit(
         for cached in (settings.get_settings, db.get_engine, db._session_factory):
             cached.cache_clear()
         drop_database(PG_ADMIN_URL, name)
+
+
+def test_the_published_batch_rate_is_none_while_the_lease_store_is_away() -> None:
+    """The planner reads the controller's published rate at each refresh; a Redis restart must
+    leave it measuring its own, not raise out of the drain with requests in flight."""
+    from backfill.scheduler.capacity.admission import Admission
+
+    away = RedisLeaseStore("redis://127.0.0.1:9/0", namespace=f"away-{uuid.uuid4().hex[:6]}")
+    assert Admission(away, fixed_limit=4, ttl_s=3.0).batch_rate() is None
