@@ -160,6 +160,16 @@ def batch_figures(batch_id: str) -> dict[str, Any]:
                 func.max(BatchRequest.finished_at),
             ).where(BatchRequest.batch_id == batch_id)
         ).one()
+        # Requests in flight (mean over the run) and claim-to-finish: from the lines' own times
+        # (a retried line counts its last try).
+        busy_s, median_s = s.execute(
+            select(
+                func.sum(func.extract("epoch", BatchRequest.finished_at - BatchRequest.claimed_at)),
+                func.percentile_cont(0.5).within_group(
+                    func.extract("epoch", BatchRequest.finished_at - BatchRequest.claimed_at)
+                ),
+            ).where(BatchRequest.batch_id == batch_id, BatchRequest.finished_at.is_not(None))
+        ).one()
         states = dict(
             s.execute(
                 select(BatchRequest.state, func.count())
@@ -175,7 +185,14 @@ def batch_figures(batch_id: str) -> dict[str, Any]:
             )
             .values(state=RequestState.cancelled, claim_token=None)
         )
-    return {"prompt": int(prompt or 0), "cached": int(cached or 0), "last": last, "states": states}
+    return {
+        "prompt": int(prompt or 0),
+        "cached": int(cached or 0),
+        "last": last,
+        "states": states,
+        "busy_s": float(busy_s or 0.0),
+        "median_s": float(median_s or 0.0),
+    }
 
 
 def worker_requests(fleet: Any) -> list[float]:
@@ -240,6 +257,8 @@ def run_one(
         wall_s=wall,
         succeeded=fig["states"].get("succeeded", 0),
         spread=[x / max(sum(served), 1) for x in served],
+        mean_in_flight=fig["busy_s"] / wall if wall > 0 else 0.0,
+        median_claim_to_finish_s=fig["median_s"],
     )
 
 

@@ -21,6 +21,8 @@ class RunRow:
     wall_s: float
     succeeded: int
     spread: list[float] = field(default_factory=list)  # share of requests per worker
+    mean_in_flight: float = 0.0  # lines in flight, mean over the run (from their claim and finish times)
+    median_claim_to_finish_s: float = 0.0
 
     @property
     def cached_share(self) -> float:
@@ -39,7 +41,8 @@ class RunRow:
         return (
             f"{self.workload:<10} {self.mode:<6} run {self.run}: {self.succeeded}/{self.lines} lines in "
             f"{self.wall_s:6.1f} s = {self.lines_per_s:6.1f}/s; cached {self.cached_share * 100:5.1f}% of prompt "
-            f"tokens = {self.share_of_max * 100:5.1f}% of the max ({self.max_cached_tokens} tok); workers {spread}%"
+            f"tokens = {self.share_of_max * 100:5.1f}% of the max ({self.max_cached_tokens} tok); workers {spread}%; "
+            f"{self.mean_in_flight:.0f} in flight, claim to finish {self.median_claim_to_finish_s:.2f} s (median)"
         )
 
 

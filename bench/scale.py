@@ -64,6 +64,10 @@ class ProcessSampler:
     roots: dict[str, int]
     peak_rss: dict[str, int] = field(default_factory=dict)
     loads: list[float] = field(default_factory=list)  # the machine's 1-minute load average, per sample
+    # Peak RSS over the samples taken while `finalizing` is set (run_batch sets it while the batch
+    # is finalizing): whose memory finalization itself raises.
+    finalizing: bool = False
+    peak_rss_finalizing: dict[str, int] = field(default_factory=dict)
     cpu: dict[int, float] = field(default_factory=dict)  # pid -> last seen user+system seconds
     _stop: threading.Event = field(default_factory=threading.Event)
 
@@ -83,6 +87,8 @@ class ProcessSampler:
                     continue
                 key = f"{name}:{p.pid}"
                 self.peak_rss[key] = max(self.peak_rss.get(key, 0), rss)
+                if self.finalizing:
+                    self.peak_rss_finalizing[key] = max(self.peak_rss_finalizing.get(key, 0), rss)
                 self.cpu[p.pid] = max(self.cpu.get(p.pid, 0.0), t.user + t.system)
 
     def run(self) -> None:
@@ -113,7 +119,9 @@ def db_footprint(pg_url: str) -> list[tuple[str, int, int]]:
     return [(str(r[0]), int(r[1]), int(r[2])) for r in rows]
 
 
-def run_batch(base_url: str, key: str, path: Path, window: str, out_dir: Path, db_url: str) -> dict[str, float]:
+def run_batch(
+    base_url: str, key: str, path: Path, window: str, out_dir: Path, db_url: str, sampler: ProcessSampler
+) -> dict[str, float]:
     """Upload, create, wait, download. The phases are timed from the batch's status changes as
     the database records them (polled every 10 ms: a 9 MB finalization takes a fifth of a
     second, which the API polling a client does, every 0.2 s, cannot resolve)."""
@@ -138,6 +146,7 @@ def run_batch(base_url: str, key: str, path: Path, window: str, out_dir: Path, d
             ).fetchone()
             status = str(row[0]) if row else status
             seen.setdefault(status, time.perf_counter())
+            sampler.finalizing = status == "finalizing"
             if row and row[2] and row[1] == 0:  # the last part of the request index is in
                 seen.setdefault("indexed", time.perf_counter())
     end = seen[status]
@@ -241,7 +250,7 @@ def main() -> None:
             sampler.sample()
             cpu_before = sampler.cpu_total()
             sampler.start()
-            phases = run_batch(stack.base_url, stack.key, path, args.window, tmp, stack.database_url)
+            phases = run_batch(stack.base_url, stack.key, path, args.window, tmp, stack.database_url, sampler)
             sampler.stop()
             backfill_cpu = sampler.cpu_total() - cpu_before
             footprint = db_footprint(stack.database_url)
@@ -278,6 +287,9 @@ def main() -> None:
     print(f"\n{'process':<22}{'peak RSS MB':>12}")
     for name, rss in sorted(sampler.peak_rss.items(), key=lambda kv: -kv[1]):
         print(f"{name:<22}{rss / MB:>12.1f}")
+    finalizing = sorted(sampler.peak_rss_finalizing.items(), key=lambda kv: -kv[1])
+    if finalizing:
+        print("while finalizing: " + ", ".join(f"{name} {rss / MB:.1f}" for name, rss in finalizing[:3]))
     print(f"\n{'table':<24}{'rows':>12}{'MB':>10}")
     for table, rows, nbytes in footprint:
         print(f"{table:<24}{rows:>12}{nbytes / MB:>10.1f}")
@@ -296,6 +308,7 @@ def main() -> None:
     print(
         f"scale: upload_mb_s={size / MB / phases['upload']:.1f} validate_mb_s={size / MB / max(phases['validate'], 1e-9):.1f} "
         f"finalize_mb_s={phases['result_bytes'] / MB / max(phases['finalize'], 1e-9):.1f} peak_rss_mb={peak:.0f} "
+        f"finalizing_peak_rss_mb={max(sampler.peak_rss_finalizing.values(), default=0) / MB:.0f} "
         f"cpu_ms_per_request={cpu_ms:.2f} direct_cpu_ms_per_request={direct_ms:.2f}"
     )
 

@@ -77,7 +77,7 @@ def claim_requests(
         .limit(1)
     ).scalar_one_or_none()
     footprint = _InFlight.load(session, team_id=batch.team_id, model=batch.model, now=now)
-    if kv_budget_tokens is not None:
+    if kv_budget_tokens is not None and _has_sessions(session, batch):
         waiting = _ready(session, batch_id=batch_id, now=now, bound=bound, continuations=True)
         footprint.reserve(batch_id, session.execute(waiting.limit(SCAN_LINES)))
     hot = footprint.hot_prefixes
@@ -90,8 +90,12 @@ def claim_requests(
         if picked:
             pick = pick.where(BatchRequest.line.not_in([p.line for p in picked]))
         picked += _locked(session, pick.limit(limit - len(picked)))
-    cooling = {c.prefix_hash for c in picked if c.prefix_hash in footprint.prefixes} - footprint.warm
-    if cooling:  # in flight now, and maybe served long before: then its blocks are cached
+    # A shared prefix not warm in flight (just sent, or nothing of it running now) may have been
+    # served long before: then its blocks are cached and its lines need no leader. Without this,
+    # a prefix whose lines all finished (a drain's lull, the next drain's first claim) went one
+    # line at a time while each leader finished before it had warmed.
+    cooling = {c.prefix_hash for c in picked if c.prefix_tokens} - footprint.warm
+    if cooling:
         footprint.warm |= _served_since(session, batch_id=batch_id, prefixes=cooling, now=now)
     lines = footprint.admit(picked, kv_budget_tokens)
     if not lines:
@@ -236,6 +240,34 @@ def _ready(
     if bound is not None:
         pick = pick.where(BatchRequest.prefix_rank <= bound)
     return pick
+
+
+# Whether a batch has agent sessions (lines with an `after_line`), per batch once known for good:
+# a line's `after_line` never changes once written, so one found settles it, and none found once
+# every line is indexed settles it too. A claim then skips reading the sessions between two turns
+# (a scan of up to SCAN_LINES pending lines) in a batch that has none. Bounded: cleared when full.
+_SESSIONS: dict[str, bool] = {}
+_SESSIONS_KNOWN_MAX = 4096
+
+
+def _has_sessions(session: Session, batch: Batch) -> bool:
+    """Whether any line of the batch waits for a previous turn."""
+    known = _SESSIONS.get(batch.id)
+    if known is not None:
+        return known
+    found = (
+        session.execute(
+            select(BatchRequest.line)
+            .where(BatchRequest.batch_id == batch.id, BatchRequest.after_line.is_not(None))
+            .limit(1)
+        ).first()
+        is not None
+    )
+    if found or batch.unindexed == 0:
+        if len(_SESSIONS) >= _SESSIONS_KNOWN_MAX:
+            _SESSIONS.clear()
+        _SESSIONS[batch.id] = found
+    return found
 
 
 def _served_since(session: Session, *, batch_id: str, prefixes: set[str], now: datetime) -> set[str]:

@@ -9,9 +9,10 @@ the ledger entry exists exactly when the result does.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import cast
 
-from sqlalchemy import Integer, String, Table, Text, TextClause, bindparam, select, text, update
+from sqlalchemy import Integer, String, Table, Text, TextClause, bindparam, text, update
 from sqlalchemy.orm import Session
 
 from backfill.jobs.billing.ledger import record_usage
@@ -50,13 +51,30 @@ def record_outcome(session: Session, *, batch_id: str, line: int, claim_token: s
 
 
 def record_outcomes(session: Session, *, claim_token: str, results: Sequence[tuple[str, int, Outcome]]) -> int:
-    """Store a group of final answers, each exactly once; returns how many this claim still owned.
+    """Store a group of final answers, each exactly once; returns how many this claim still owned."""
+    return record_group(session, claim_token=claim_token, results=results).recorded
+
+
+@dataclass(frozen=True)
+class Recorded:
+    recorded: int  # answers this claim still owned, now stored
+    complete: list[str]  # batches running whose every line now has its answer: ready to finalize
+
+
+def record_group(session: Session, *, claim_token: str, results: Sequence[tuple[str, int, Outcome]]) -> Recorded:
+    """Store a group of final answers, each exactly once, and say which of their batches are
+    now complete.
 
     Lines are written in (batch, line) order and each batch's counters once per group, so
     concurrent drains take row locks in one order and a group costs one counter update per batch.
+    The batch row read after that update (the ledger needs it) tells whether every line has its
+    answer: read in the same transaction after the update, which waited for the row, it sees every
+    other recorder's commit, so of two recorders that write a batch's last lines at once, the
+    later one sees the batch complete. (A batch none of whose lines this claim still owned is
+    not looked at: the claim that owns them records them.)
     """
     if not results:
-        return 0
+        return Recorded(0, [])
     # A line given twice is recorded once (the first answer), as a second compare-and-set fails.
     ordered = sorted({(b, n): (b, n, o) for b, n, o in reversed(results)}.values(), key=lambda r: (r[0], r[1]))
     rows: list[tuple[object, ...]] = []
@@ -82,6 +100,7 @@ def record_outcomes(session: Session, *, claim_token: str, results: Sequence[tup
     for batch_id, line, outcome in ordered:
         if (batch_id, line) in owned:
             recorded.setdefault(batch_id, []).append((line, outcome))
+    complete: list[str] = []
     for batch_id, items in recorded.items():
         ok = [o.usage for _, o in items if o.succeeded]
         session.execute(
@@ -97,29 +116,17 @@ def record_outcomes(session: Session, *, claim_token: str, results: Sequence[tup
             )
             .execution_options(synchronize_session=False)
         )
-        batch = session.get(Batch, batch_id)
+        # populate_existing: the row as the update left it, whatever this session held before.
+        batch = session.get(Batch, batch_id, populate_existing=True)
         assert batch is not None
         record_usage(session, batch, items)
-    return sum(len(items) for items in recorded.values())
-
-
-def all_recorded(session: Session, batch_ids: Sequence[str]) -> list[str]:
-    """Of `batch_ids`, the batches running whose every line has its answer recorded: ready to
-    finalize. Asked after `record_outcomes` in the same transaction, it sees every other
-    recorder's commit (the counters' update waits for the batch row), so of two recorders that
-    write a batch's last lines at once, the later one sees the batch done."""
-    if not batch_ids:
-        return []
-    return list(
-        session.execute(
-            select(Batch.id).where(
-                Batch.id.in_(sorted(set(batch_ids))),
-                Batch.status == BatchStatus.in_progress,
-                Batch.unindexed == 0,
-                Batch.completed + Batch.failed >= Batch.total,
-            )
-        ).scalars()
-    )
+        if (
+            batch.status == BatchStatus.in_progress
+            and batch.unindexed == 0
+            and batch.completed + batch.failed >= batch.total
+        ):
+            complete.append(batch_id)
+    return Recorded(sum(len(items) for items in recorded.values()), complete)
 
 
 def _write_results(session: Session, claim_token: str, rows: list[tuple[object, ...]]) -> set[tuple[str, int]]:

@@ -27,7 +27,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_ran
 from backfill.jobs.errors import error_bytes
 from backfill.jobs.execution.claims import ClaimedRequest, release_for_retry, requeue_unstarted
 from backfill.jobs.execution.replies import Outcome, outcome_of
-from backfill.jobs.execution.results import all_recorded, attempts_exceeded, record_outcomes
+from backfill.jobs.execution.results import attempts_exceeded, record_group
 from backfill.jobs.models import utcnow
 from backfill.jobs.sweeps import lines_held_by
 from backfill.scheduler.fleet.client import FleetReply
@@ -237,8 +237,7 @@ class Recorder:
                     finished.append((r.batch_id, r.line, attempts_exceeded(r.attempts + 1, why)))
                     continue
                 finished.append((r.batch_id, r.line, answer.outcome))
-            record_outcomes(session, claim_token=self.holder, results=finished)
-            ready = all_recorded(session, [b for b, _, _ in finished]) if self.on_all_recorded and finished else []
-        for batch_id in ready:
+            ready = record_group(session, claim_token=self.holder, results=finished).complete
+        for batch_id in ready if self.on_all_recorded else []:
             assert self.on_all_recorded is not None
             self.on_all_recorded(batch_id)

@@ -178,6 +178,18 @@ def test_a_prefix_stays_warm_while_its_lines_turn_over(db: sessionmaker[Session]
     assert len(claim(db, batch_id, 2, "w", at=1.1)) == 2
 
 
+def test_a_prefix_served_before_needs_no_leader_once_nothing_of_it_runs(db: sessionmaker[Session]) -> None:
+    """A prefix whose lines have all finished (a lull, a drain ending and the next starting) was
+    served: its blocks are cached, so its next lines go together, not one leader at a time (which
+    trickled a one-prefix batch out a line per claim whenever leaders finished within a warm-up)."""
+    system = ("system", words(31, 300))
+    batch_id = new_batch(db, [chat(system, ("user", f"{'ABCDEFGH'[i]} " + words(50 + i, 60))) for i in range(8)])
+    leader = claim(db, batch_id, 4, "v", at=0.0, budget=100_000)
+    assert len(leader) == 1
+    finish(db, batch_id, leader[0], "v")
+    assert len(claim(db, batch_id, 4, "v", at=1.0, budget=100_000)) == 4
+
+
 def test_a_sessions_next_turn_goes_once_the_previous_has_warmed(db: sessionmaker[Session]) -> None:
     """A line is a request of its own: the next turn waits only until the previous one's prompt
     is cached (PREFIX_WARM_S), not for its reply, so a session is not held to one request."""
