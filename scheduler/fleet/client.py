@@ -22,8 +22,10 @@ import ssl
 import time
 from dataclasses import dataclass, replace
 from typing import Any
+from urllib.parse import urlsplit
+from urllib.request import getproxies, proxy_bypass
 
-import httpx
+import aiohttp
 import orjson
 import redis.asyncio
 
@@ -35,10 +37,6 @@ log = logging.getLogger("backfill.fleet")
 
 RETRYABLE_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
 MAX_REPLY_BYTES = 64 * 1024 * 1024
-# HTTP clients the fleet's connections are spread over: each request polls every connection of
-# its pool (httpcore's expiry check), so 64 lines in flight over 32 pools cost ~2 polls a request
-# (over 8 pools: ~8, and the drain's CPU a line was a third higher: docs/capacity.md).
-POOL_SHARDS = 32
 OVERFLOW_MAX_COOLDOWN_S = 120.0
 
 
@@ -58,8 +56,9 @@ class FleetReply:
 @functools.cache
 def _tls_context() -> ssl.SSLContext:
     """One TLS context for every client of the process: loading the CA bundle costs tens of
-    milliseconds, and a drain (a Celery task) makes its clients afresh each time."""
-    return httpx.create_ssl_context()
+    milliseconds, and a drain (a Celery task) makes its client afresh each time. The default
+    context verifies certificates against the system's CAs (and SSL_CERT_FILE / SSL_CERT_DIR)."""
+    return ssl.create_default_context()
 
 
 class _BodyStalled(Exception):
@@ -68,6 +67,19 @@ class _BodyStalled(Exception):
 
 class _ReplyTooLarge(Exception):
     pass
+
+
+_JSON = {"Content-Type": "application/json"}
+
+
+@functools.cache
+def _env_proxy(base: str) -> str | None:
+    """The proxy the environment names for a deployment's URL (HTTP_PROXY / HTTPS_PROXY, unless
+    NO_PROXY covers its host), looked up once per URL: aiohttp's own lookup (`trust_env`) runs
+    in a thread for every request."""
+    parts = urlsplit(base)
+    proxy = getproxies().get(parts.scheme)
+    return proxy if proxy and not proxy_bypass(parts.hostname or "") else None
 
 
 def _seen(done: asyncio.Future[Permit]) -> None:
@@ -135,19 +147,13 @@ class FleetClient:
         # A deployment serving several models has a breaker per model as well (made when first
         # needed, named `url#model`): one model's failing workers open its own circuit only.
         self._model_breakers: dict[tuple[int, str], Breaker] = {}
-        # Several small pools rather than one large one: httpcore looks through every pooled
-        # connection on each request (to drop expired ones), so a request's cost grows with the
-        # pool; spread over POOL_SHARDS clients taken in turn, each pool stays small.
-        per_shard = max(1, math.ceil(max_connections / POOL_SHARDS))
-        self._clients = [
-            httpx.AsyncClient(
-                verify=_tls_context(),
-                timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
-                limits=httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard),
-            )
-            for _ in range(POOL_SHARDS)
-        ]
-        self._client_turn = itertools.cycle(self._clients)
+        # One aiohttp session for every call, made on first use (it belongs to the running event
+        # loop). aiohttp rather than httpx: a request cost the drain ~1.2 ms of CPU through httpx
+        # (its request and response models, cookies, anyio's cancel scopes, and httpcore polling
+        # each pooled connection) against ~0.25 ms through aiohttp's C parser (docs/benchmarks.md,
+        # "What a line costs backfill"). Cookies are not kept: a fleet's replies share nothing.
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
 
     @property
     def deployments(self) -> int:
@@ -268,57 +274,68 @@ class FleetClient:
         elif changed is BreakerState.closed:
             log.info("fleet deployment %s: circuit closed, the probe succeeded", breaker.name)
 
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0, ssl=_tls_context()),
+                cookie_jar=aiohttp.DummyCookieJar(),
+                # The whole exchange is bounded by `_exchange`'s own timeout; the connect is bounded here.
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=min(10.0, self._timeout_s)),
+            )
+        return self._session
+
     async def _exchange(
         self, base: str, path: str, payload: bytes, auth: dict[str, str] | None = None
     ) -> tuple[FleetReply, bool]:
         """One POST to one deployment; the flag says whether a connection was made at all."""
         started = time.monotonic()
-        client = next(self._client_turn)
-        request = client.build_request(
-            "POST", base + path, content=payload, headers={"Content-Type": "application/json", **(auth or {})}
-        )
+        headers = {"Content-Type": "application/json", **auth} if auth else _JSON
         try:
             async with asyncio.timeout(self._timeout_s):
-                resp = await client.send(request, stream=True)
-                try:
-                    body = await self._read_body(resp)
-                finally:
-                    await resp.aclose()
+                post = self._client().post(base + path, data=payload, headers=headers, proxy=_env_proxy(base))
+                async with post as resp:
+                    body = await self._read_body(resp.content)
+                    status, request_id = resp.status, resp.headers.get("x-request-id")
         except _BodyStalled:
             msg = f"fleet reply body stalled for {self._body_idle_s:g} s"
             return self._synthetic(504, msg, started, deployment=base), True
         except _ReplyTooLarge:
             msg = f"fleet reply larger than {MAX_REPLY_BYTES} bytes"
             return self._synthetic(502, msg, started, deployment=base, transient=False), True
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            # No connection was made (refused, no route, the name not found, TLS refused, the
+            # connect timed out): the request reached nothing.
             msg = f"fleet connection error: {exc!r}"
             return self._synthetic(503, msg, started, deployment=base, sent=False), False
-        except (TimeoutError, httpx.TimeoutException) as exc:
+        except TimeoutError as exc:
             return self._synthetic(504, f"fleet timeout: {exc!r}", started, deployment=base), True
-        except httpx.TransportError as exc:
+        except aiohttp.ClientError as exc:  # dropped mid-exchange, a malformed reply, a bad URL
             return self._synthetic(503, f"fleet connection error: {exc!r}", started, deployment=base), True
         reply = FleetReply(
-            status_code=resp.status_code,
+            status_code=status,
             body=body,
-            request_id=resp.headers.get("x-request-id"),
+            request_id=request_id,
             latency_s=time.monotonic() - started,
-            transient=resp.status_code in RETRYABLE_STATUS,
+            transient=status in RETRYABLE_STATUS,
             deployment=base,
         )
         return reply, True
 
-    async def _read_body(self, resp: httpx.Response) -> bytes:
+    async def _read_body(self, stream: aiohttp.StreamReader) -> bytes:
         chunks: list[bytes] = []
         size = 0
-        stream = resp.aiter_bytes()
         while True:
-            try:
-                async with asyncio.timeout(self._body_idle_s):
-                    chunk = await anext(stream)
-            except StopAsyncIteration:
+            # What has arrived already is taken without arming a timer (a small reply is whole by
+            # the time its headers are parsed); only a wait for more is bounded by the idle timeout.
+            chunk = stream.read_nowait()
+            if not chunk and not stream.at_eof():
+                try:
+                    async with asyncio.timeout(self._body_idle_s):
+                        chunk = await stream.readany()
+                except TimeoutError as exc:
+                    raise _BodyStalled from exc
+            if not chunk:
                 return b"".join(chunks)
-            except TimeoutError as exc:
-                raise _BodyStalled from exc
             size += len(chunk)
             if size > MAX_REPLY_BYTES:
                 raise _ReplyTooLarge
@@ -340,8 +357,9 @@ class FleetClient:
     async def aclose(self) -> None:
         for breaker in [*self.breakers, *self._model_breakers.values()]:
             await breaker.flush()
-        for client in self._clients:
-            await client.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
         if self._redis is not None:
             await self._redis.aclose()
 
