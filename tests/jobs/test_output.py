@@ -367,10 +367,23 @@ def test_the_pages_write_the_same_bytes_as_one_formatting_of_all_rows(
         assert tuple(sum(p.usage[i] for p in pages) for i in range(4)) == tuple(usage) != (0, 0, 0, 0)
 
 
-def _statements(db: sessionmaker[Session]) -> list[tuple[str, int | None]]:
+def _statements(db: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int | None]]:
     """Every statement sent from now on, with the first line of the page it reads (None for
-    others), through SQLAlchemy's cursor event."""
+    others): on Postgres as psycopg's cursors send them (the pages are read on the driver's
+    cursor, for their bytes), on SQLite through SQLAlchemy's cursor event."""
     seen: list[tuple[str, int | None]] = []
+    if db.kw["bind"].dialect.name == "postgresql":
+        import psycopg
+
+        execute = psycopg.Cursor.execute
+
+        def recorded(cursor: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
+            start = params.get("start") if isinstance(params, dict) else None
+            seen.append((query if isinstance(query, str) else repr(query), start))
+            return execute(cursor, query, params, **kwargs)
+
+        monkeypatch.setattr(psycopg.Cursor, "execute", recorded)
+        return seen
 
     def record(conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
         seen.append((statement, context.compiled_parameters[0].get("start")))
@@ -389,7 +402,7 @@ def test_both_files_come_from_one_read_of_the_rows(
         batch = _batch(s, status=BatchStatus.in_progress, states=LINES)
         batch_id, team_id = batch.id, batch.team_id
     monkeypatch.setattr(output_pages, "ROWS_PER_FETCH", 2)  # lines 1-5: three pages
-    seen = _statements(db)
+    seen = _statements(db, monkeypatch)
     assert finalize_batch(db.begin, store, batch_id=batch_id) == BatchStatus.completed
     rows_read = [(sql, start) for sql, start in seen if "batch_requests" in sql]
     # The plans of the pages read only the answers' sizes (`length`, never the answers).
