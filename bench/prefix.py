@@ -259,6 +259,9 @@ def run_one(
         spread=[x / max(sum(served), 1) for x in served],
         mean_in_flight=fig["busy_s"] / wall if wall > 0 else 0.0,
         median_claim_to_finish_s=fig["median_s"],
+        drain_cpu_s=float(side.get("cpu_s", 0.0)),
+        claims=int(side.get("claims", 0)),
+        claimed=int(side.get("claimed", 0)),
     )
 
 

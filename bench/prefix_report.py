@@ -23,6 +23,9 @@ class RunRow:
     spread: list[float] = field(default_factory=list)  # share of requests per worker
     mean_in_flight: float = 0.0  # lines in flight, mean over the run (from their claim and finish times)
     median_claim_to_finish_s: float = 0.0
+    drain_cpu_s: float = 0.0  # the drain process's CPU over the run
+    claims: int = 0  # claim statements the drain ran (one per batch a round plans)
+    claimed: int = 0  # lines they took (a retried line counts each time)
 
     @property
     def cached_share(self) -> float:
@@ -42,7 +45,9 @@ class RunRow:
             f"{self.workload:<10} {self.mode:<6} run {self.run}: {self.succeeded}/{self.lines} lines in "
             f"{self.wall_s:6.1f} s = {self.lines_per_s:6.1f}/s; cached {self.cached_share * 100:5.1f}% of prompt "
             f"tokens = {self.share_of_max * 100:5.1f}% of the max ({self.max_cached_tokens} tok); workers {spread}%; "
-            f"{self.mean_in_flight:.0f} in flight, claim to finish {self.median_claim_to_finish_s:.2f} s (median)"
+            f"{self.mean_in_flight:.0f} in flight, claim to finish {self.median_claim_to_finish_s:.2f} s (median); "
+            f"drain CPU {self.drain_cpu_s * 1000 / max(self.lines, 1):.2f} ms a line; "
+            f"{self.claims} claims took {self.claimed} lines"
         )
 
 

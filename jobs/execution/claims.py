@@ -6,20 +6,27 @@ line's state and that token, so a slow worker presumed dead cannot touch lines c
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import Select, and_, func, or_, select, update
-from sqlalchemy.orm import Session, aliased
+from sqlalchemy import Select, Table, Update, and_, bindparam, func, or_, select, update
+from sqlalchemy.orm import Session
 
 from backfill.jobs.execution.prefixes import PREFIX_WARM_S
 from backfill.jobs.files import file_key
-from backfill.jobs.models import SERVED_LINES, Batch, BatchRequest, BatchStatus, RequestState, utcnow
+from backfill.jobs.models import RUNNING_LINES, SERVED_LINES, Batch, BatchRequest, BatchStatus, RequestState, utcnow
 
 HOT_PREFIXES = 32  # shared prefixes in flight that another batch's claim looks for first
 SCAN_LINES = 4096  # pending lines of a batch, in tree order, a claim looks through
+
+# A claim's statements are built once, on the table's columns, with their values bound at each
+# claim: building them afresh (the ORM's expressions, then their cache keys) cost a drain more
+# CPU than running them, and a drain claims a few lines at a time, many times a second.
+_LINES = cast(Table, BatchRequest.__table__)
+_BATCHES = cast(Table, Batch.__table__)
 
 
 @dataclass(frozen=True)
@@ -69,27 +76,27 @@ def claim_requests(
         return []
     # Look no further than this many pending lines into the tree: a claim costs the same in a
     # batch of a million lines, and what lies beyond cannot be due before what lies within.
-    bound = session.execute(
-        select(BatchRequest.prefix_rank)
-        .where(BatchRequest.batch_id == batch_id, BatchRequest.state == RequestState.pending)
-        .order_by(BatchRequest.prefix_rank, BatchRequest.line)
-        .offset(SCAN_LINES)
-        .limit(1)
-    ).scalar_one_or_none()
+    bound = session.execute(_bound_statement(), {"batch_id": batch_id}).scalar_one_or_none()
     footprint = _InFlight.load(session, team_id=batch.team_id, model=batch.model, now=now)
+    ready = {
+        "batch_id": batch_id,
+        "now": now,
+        "warmed_before": now - timedelta(seconds=PREFIX_WARM_S),
+        "bound": bound,
+    }
     if kv_budget_tokens is not None and _has_sessions(session, batch):
-        waiting = _ready(session, batch_id=batch_id, now=now, bound=bound, continuations=True)
-        footprint.reserve(batch_id, session.execute(waiting.limit(SCAN_LINES)))
+        waiting = _ready_statement(continuations=True, bounded=bound is not None)
+        footprint.reserve(batch_id, session.execute(waiting, {**ready, "limit": SCAN_LINES}))
     hot = footprint.hot_prefixes
+    locked = session.get_bind().dialect.name == "postgresql"
     picked: list[_Candidate] = []
     if hot:
-        pick = _ready(session, batch_id=batch_id, now=now, bound=bound).where(BatchRequest.prefix_hash.in_(hot))
-        picked = _locked(session, pick.limit(limit))
+        pick = _ready_statement(bounded=bound is not None, hot=True, locked=locked)
+        picked = _picked(session, pick, {**ready, "hot": hot, "limit": limit})
     if len(picked) < limit:
-        pick = _ready(session, batch_id=batch_id, now=now, bound=bound)
-        if picked:
-            pick = pick.where(BatchRequest.line.not_in([p.line for p in picked]))
-        picked += _locked(session, pick.limit(limit - len(picked)))
+        pick = _ready_statement(bounded=bound is not None, skip=bool(picked), locked=locked)
+        skip = {"skip": [p.line for p in picked]} if picked else {}
+        picked += _picked(session, pick, {**ready, **skip, "limit": limit - len(picked)})
     # A shared prefix not warm in flight (just sent, or nothing of it running now) may have been
     # served long before: then its blocks are cached and its lines need no leader. Without this,
     # a prefix whose lines all finished (a drain's lull, the next drain's first claim) went one
@@ -102,25 +109,7 @@ def claim_requests(
         return []
     # One round trip: the compare-and-set and the claimed lines' columns (no ORM rows to build).
     returned = session.execute(
-        update(BatchRequest)
-        .where(
-            BatchRequest.batch_id == batch_id,
-            BatchRequest.line.in_(lines),
-            BatchRequest.state == RequestState.pending,
-        )
-        # request_id: a running line's mark of where it was sent (`claim_overflow`); a line sent to
-        # the overflow and given back is claimed afresh, wherever it goes next.
-        .values(state=RequestState.running, claim_token=claim_token, claimed_at=now, request_id=None)
-        .returning(
-            BatchRequest.line,
-            BatchRequest.custom_id,
-            BatchRequest.offset,
-            BatchRequest.length,
-            BatchRequest.attempts,
-            BatchRequest.token_estimate,
-            BatchRequest.prefix_rank,
-        )
-        .execution_options(synchronize_session=False)
+        _claim_statement(), {"of_batch": batch_id, "of_lines": lines, "token": claim_token, "at": now}
     ).all()
     rows = sorted(returned, key=lambda r: (r.prefix_rank, r.line))  # RETURNING keeps no order
     key = file_key(batch.team_id, batch.input_file_id)
@@ -196,50 +185,87 @@ class _Candidate:
         return max(self.kv_tokens - self.prefix_tokens, 0)
 
 
-def _ready(
-    session: Session, *, batch_id: str, now: datetime, bound: int | None, continuations: bool = False
+@functools.cache
+def _bound_statement() -> Select[int]:
+    """The prefix rank SCAN_LINES pending lines into a batch's tree (none: fewer are pending)."""
+    c = _LINES.c
+    return (
+        select(c.prefix_rank)
+        .where(c.batch_id == bindparam("batch_id"), c.state == RequestState.pending.value)
+        .order_by(c.prefix_rank, c.line)
+        .offset(SCAN_LINES)
+        .limit(1)
+    )
+
+
+@functools.cache
+def _ready_statement(
+    *, continuations: bool = False, bounded: bool = False, hot: bool = False, skip: bool = False, locked: bool = False
 ) -> Select[int, str, int, int, int | None]:
-    """Pending lines of a batch that may run now, in prefix-tree order (with `continuations`,
-    only the next turns of sessions whose previous turn has warmed the cache or finished)."""
-    previous = aliased(BatchRequest)
-    warmed_before = now - timedelta(seconds=PREFIX_WARM_S)
+    """Pending lines of a batch (`batch_id`) that may run `now`, in prefix-tree order, at most
+    `limit` (with `continuations`, only the next turns of sessions whose previous turn has
+    warmed the cache, claimed before `warmed_before`, or finished). `bounded`: no further into
+    the tree than `bound`; `hot`: only lines under the prefixes `hot`; `skip`: not the lines
+    `skip`; `locked`: locked against other claimers, who skip them (Postgres)."""
+    c = _LINES.c
+    previous = _LINES.alias("previous")
     previous_unfinished = (  # pending, or sent too recently for its prompt to be cached yet
-        select(previous.line)
+        select(previous.c.line)
         .where(
-            previous.batch_id == BatchRequest.batch_id,
-            previous.line == BatchRequest.after_line,
+            previous.c.batch_id == c.batch_id,
+            previous.c.line == c.after_line,
             or_(
-                previous.state == RequestState.pending,
+                previous.c.state == RequestState.pending.value,
                 and_(
-                    previous.state == RequestState.running,
-                    or_(previous.claimed_at.is_(None), previous.claimed_at > warmed_before),
+                    previous.c.state == RequestState.running.value,
+                    or_(previous.c.claimed_at.is_(None), previous.c.claimed_at > bindparam("warmed_before")),
                 ),
             ),
         )
         .exists()
     )
     pick = (
-        select(
-            BatchRequest.line,
-            BatchRequest.prefix_hash,
-            BatchRequest.prefix_tokens,
-            BatchRequest.kv_tokens,
-            BatchRequest.after_line,
-        )
+        select(c.line, c.prefix_hash, c.prefix_tokens, c.kv_tokens, c.after_line)
         .where(
-            BatchRequest.batch_id == batch_id,
-            BatchRequest.state == RequestState.pending,
-            or_(BatchRequest.not_before.is_(None), BatchRequest.not_before <= now),
+            c.batch_id == bindparam("batch_id"),
+            c.state == RequestState.pending.value,
+            or_(c.not_before.is_(None), c.not_before <= bindparam("now")),
         )
-        .order_by(BatchRequest.prefix_rank, BatchRequest.line)
+        .order_by(c.prefix_rank, c.line)
     )
     if continuations:
-        pick = pick.where(BatchRequest.after_line.is_not(None), ~previous_unfinished)
+        pick = pick.where(c.after_line.is_not(None), ~previous_unfinished)
     else:
-        pick = pick.where(or_(BatchRequest.after_line.is_(None), ~previous_unfinished))
-    if bound is not None:
-        pick = pick.where(BatchRequest.prefix_rank <= bound)
-    return pick
+        pick = pick.where(or_(c.after_line.is_(None), ~previous_unfinished))
+    if bounded:
+        pick = pick.where(c.prefix_rank <= bindparam("bound"))
+    if hot:
+        pick = pick.where(c.prefix_hash.in_(bindparam("hot", expanding=True)))
+    if skip:
+        pick = pick.where(c.line.not_in(bindparam("skip", expanding=True)))
+    pick = pick.limit(bindparam("limit"))
+    return pick.with_for_update(of=_LINES, skip_locked=True) if locked else pick
+
+
+@functools.cache
+def _claim_statement() -> Update:
+    """The claim's compare-and-set on the lines picked, returning their columns (one round trip,
+    no ORM rows to build)."""
+    c = _LINES.c
+    return (
+        update(_LINES)
+        .where(c.batch_id == bindparam("of_batch"), c.line.in_(bindparam("of_lines", expanding=True)))
+        .where(c.state == RequestState.pending.value)
+        # request_id: a running line's mark of where it was sent (`claim_overflow`); a line sent to
+        # the overflow and given back is claimed afresh, wherever it goes next.
+        .values(
+            state=RequestState.running.value,
+            claim_token=bindparam("token", type_=c.claim_token.type),
+            claimed_at=bindparam("at", type_=c.claimed_at.type),
+            request_id=None,
+        )
+        .returning(c.line, c.custom_id, c.offset, c.length, c.attempts, c.token_estimate, c.prefix_rank)
+    )
 
 
 # Whether a batch has agent sessions (lines with an `after_line`), per batch once known for good:
@@ -290,11 +316,29 @@ def _served_since(session: Session, *, batch_id: str, prefixes: set[str], now: d
     return out
 
 
-def _locked(session: Session, pick: Select[int, str, int, int, int | None]) -> list[_Candidate]:
-    """The picked lines, locked against other claimers (who skip them)."""
-    if session.get_bind().dialect.name == "postgresql":
-        pick = pick.with_for_update(of=BatchRequest, skip_locked=True)
-    return [_Candidate(*row) for row in session.execute(pick)]
+def _picked(session: Session, pick: Select[int, str, int, int, int | None], values: dict[str, Any]) -> list[_Candidate]:
+    return [_Candidate(*row) for row in session.execute(pick, values)]
+
+
+@functools.cache
+def _running_statement() -> Select[str, int, int | None, str, int, int, datetime | None, str, str | None]:
+    """Every running line's share of the KV, with its batch's team and model."""
+    c, b = _LINES.c, _BATCHES.c
+    return (
+        select(
+            c.batch_id,
+            c.line,
+            c.after_line,
+            c.prefix_hash,
+            c.prefix_tokens,
+            c.kv_tokens,
+            c.claimed_at,
+            b.team_id,
+            b.model,
+        )
+        .join(_BATCHES, b.id == c.batch_id)
+        .where(RUNNING_LINES)  # the partial index of running lines, which a bound state cannot use
+    )
 
 
 @dataclass
@@ -313,21 +357,7 @@ class _InFlight:
 
     @classmethod
     def load(cls, session: Session, *, team_id: str, model: str | None, now: datetime) -> _InFlight:
-        rows = session.execute(
-            select(
-                BatchRequest.batch_id,
-                BatchRequest.line,
-                BatchRequest.after_line,
-                BatchRequest.prefix_hash,
-                BatchRequest.prefix_tokens,
-                BatchRequest.kv_tokens,
-                BatchRequest.claimed_at,
-                Batch.team_id,
-                Batch.model,
-            )
-            .join(Batch, Batch.id == BatchRequest.batch_id)
-            .where(BatchRequest.state == RequestState.running)
-        ).all()
+        rows = session.execute(_running_statement()).all()
         running = {(batch_id, line) for batch_id, line, *_ in rows}
         prefixes: dict[str, int] = {}
         hot: dict[str, None] = {}

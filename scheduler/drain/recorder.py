@@ -37,6 +37,11 @@ log = logging.getLogger("backfill.dispatch")
 
 BACKOFF_BASE_S, BACKOFF_CAP_S = 1.0, 60.0
 WRITE_GROUP = 200
+# How long a group that is not full waits for more replies before it is committed. A commit's
+# cost is mostly per group (the statement, the batch's counters, the ledger row, the commit), and
+# replies arrive one by one: without the wait a steady stream committed groups of one or two.
+# The leases went back as the replies came, so the wait holds up no capacity.
+RECORD_LINGER_S = 0.02
 RESULT_BUFFER = 4096  # replies waiting to be recorded
 DB_RETRY_MAX_S = 2.0  # longest pause between two tries while the database is away
 
@@ -97,19 +102,25 @@ class Recorder:
         while True:
             item = await self.queue.get()
             group = [item] if item is not None else []
-            stop = item is None
-            while not stop and not self.queue.empty() and len(group) < WRITE_GROUP:
-                nxt = self.queue.get_nowait()
-                if nxt is None:
-                    stop = True
-                else:
-                    group.append(nxt)
+            stop = self._take_waiting(group) if item is not None else True
+            if not stop and len(group) < WRITE_GROUP:
+                await asyncio.sleep(RECORD_LINGER_S)
+                stop = self._take_waiting(group)
             if group:
                 # Sorted, so concurrent drains lock batch rows in one order.
                 group.sort(key=lambda d: (d.request.batch_id, d.request.line))
                 await self._commit_group(group)
             if stop:
                 return
+
+    def _take_waiting(self, group: list[Done]) -> bool:
+        """Move what is queued into `group`, up to WRITE_GROUP; True when the end (None) came."""
+        while not self.queue.empty() and len(group) < WRITE_GROUP:
+            nxt = self.queue.get_nowait()
+            if nxt is None:
+                return True
+            group.append(nxt)
+        return False
 
     # -- the database's health, as this drain sees it ---------------------------------------
 
