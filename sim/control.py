@@ -264,6 +264,7 @@ class Sim:
                 budget_bytes=spec.kv_budget_bytes,
             ),
         )
+        ctl.update(dict(spec.control))
         ctl.update(self.policy.control)
         endpoints = [MetricsEndpoint(role="frontend", url=self.fleet.urls["frontend"])] + [
             MetricsEndpoint(role=w.role, url=self.fleet.urls[f"w{w.index}"]) for w in self.fleet.workers

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import json
+from bisect import bisect_left
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -70,6 +71,10 @@ class FleetSpec:
     batch_preamble: int = 450
     batch_unique: tuple[int, int] = (200, 400)
     batch_output: tuple[int, int] = (128, 384)
+    # The capacity controller's settings for this fleet (`ControlConfig` fields), as an operator
+    # would set them: e.g. the prefill engines' occupancy target, which depends on how long a
+    # prefill takes against the TTFT SLO. (Pairs, so the spec stays hashable.)
+    control: tuple[tuple[str, float], ...] = ()
 
     @classmethod
     def load(cls, path: str | Path, **overrides: Any) -> FleetSpec:
@@ -81,6 +86,9 @@ class FleetSpec:
         for k in ("batch_unique", "batch_output"):
             if k in data:
                 data[k] = tuple(data[k])
+        if "control" in data:
+            items = data["control"].items() if isinstance(data["control"], dict) else data["control"]
+            data["control"] = tuple(sorted((str(k), v) for k, v in items))
         return replace(cls(**data), **{k: v for k, v in overrides.items() if v is not None})
 
     def with_kv(self, bytes_per_token: int) -> FleetSpec:
@@ -254,6 +262,7 @@ class Worker:
         self.step_chunks: list[tuple[Req, int]] = []
         self.step_started = 0.0
         self.step_ndec = 0
+        self.name = f"w{index}"  # its target name on the clock
 
     # -- KV accounting ---------------------------------------------------------------------
     @property
@@ -310,6 +319,8 @@ class Worker:
                 self.host.put(key, n)
 
     def trim_cache(self) -> None:
+        if not self.cache_tokens:
+            return
         room = self.capacity - self.active_tokens()
         while self.cache and self.cache_tokens > room:
             key, n = self.cache.popitem(last=False)
@@ -370,8 +381,26 @@ class Worker:
 
     def start_step(self) -> None:
         spec = self.spec
-        now = self.fleet.clock.now
+        clock = self.fleet.clock
+        now = clock.now
         n_dec = len(self.decoding)
+        if not self.waiting and not self.prefilling:
+            # Most steps only decode: the same step as below, without the prefill bookkeeping.
+            if not n_dec:
+                self.busy = False
+                return
+            held = (
+                self.dec_offset + n_dec * self.step_no + self.pre_tokens - self.shared_saving + n_dec * self.half_block
+            )
+            if held + n_dec <= self.capacity:
+                usage = min(1.0, held / self.capacity)
+                decode_ms = self.perf.decode_ms(n_dec, (self.dec_offset + n_dec * self.step_no) / n_dec, usage)
+                self.busy = True
+                self.step_chunks = []
+                self.step_ndec = n_dec
+                self.step_started = now
+                clock.at(now + max(decode_ms / 1000.0, 1e-4), self.name, "end_step")
+                return
         # Decode tokens need blocks: preempt until they fit.
         while n_dec and self.active_tokens() + n_dec > self.capacity:
             v = self._victim()
@@ -450,7 +479,7 @@ class Worker:
         self.step_chunks = chunks
         self.step_ndec = n_dec
         self.step_started = now
-        self.fleet.clock.at(now + max(dur, 1e-4), self.fleet.name_of(self), "end_step")
+        clock.at(now + max(dur, 1e-4), self.name, "end_step")
 
     def end_step(self) -> None:
         fleet = self.fleet
@@ -475,7 +504,7 @@ class Worker:
             r.done_at = now
             self.store(r.finish_store)
             fleet.finished(r)
-        for r, c in self.step_chunks:
+        for r, c in self.step_chunks if self.step_chunks else ():
             if c < 0 or r.state != "prefill":
                 continue
             r.computed += c
@@ -531,12 +560,22 @@ class Worker:
         )
 
 
+# The frontend's TTFT histogram bounds: Dynamo's defaults (lib/llm/src/http/service/metrics.rs,
+# `DYN_METRICS_TTFT_{MIN,MAX,COUNT}` = 0.001, 480, 18: 0 then log-spaced, two significant figures).
+TTFT_BUCKETS = (
+    0.0, 0.0022, 0.0047, 0.01, 0.022, 0.047, 0.1, 0.22, 0.47, 1.0, 2.2, 4.7, 10.0, 22.0, 48.0, 100.0,
+    220.0, 480.0,
+)  # fmt: skip
+
+
 @dataclass
 class FrontendMetrics:
     itl_sum: float = 0.0
     itl_count: int = 0
     ttft_sum: float = 0.0
     ttft_count: int = 0
+    # First tokens per bucket of TTFT_BUCKETS (the last one: above them all), not cumulative.
+    ttft_buckets: list[int] = field(default_factory=lambda: [0] * (len(TTFT_BUCKETS) + 1))
     started: dict[str, int] = field(default_factory=lambda: {"stream": 0, "unary": 0})
     finished: dict[str, int] = field(default_factory=lambda: {"stream": 0, "unary": 0})
 
@@ -567,7 +606,7 @@ class Fleet:
 
     @staticmethod
     def name_of(w: Worker) -> str:
-        return f"w{w.index}"
+        return w.name
 
     @property
     def prefillers(self) -> list[Worker]:
@@ -613,8 +652,10 @@ class Fleet:
         self.workers[dst].enqueue(r)
 
     def first_token(self, r: Req) -> None:
-        self.m.ttft_sum += self.clock.now - r.arrival
+        ttft = self.clock.now - r.arrival
+        self.m.ttft_sum += ttft
         self.m.ttft_count += 1
+        self.m.ttft_buckets[bisect_left(TTFT_BUCKETS, ttft)] += 1
 
     def finished(self, r: Req) -> None:
         self.inflight.pop(r.rid, None)
@@ -650,6 +691,10 @@ class Fleet:
             f"dynamo_frontend_model_max_num_seqs {spec.max_num_seqs}",
             "dynamo_frontend_router_admission_rejected_total 0",
         ]
+        cumulative = 0
+        for le, n in zip((*TTFT_BUCKETS, "+Inf"), m.ttft_buckets, strict=True):
+            cumulative += n
+            lines.append(f'dynamo_frontend_time_to_first_token_seconds_bucket{{le="{le}"}} {cumulative}')
         for w in self.workers:
             lines.append(
                 f'dynamo_frontend_worker_active_decode_blocks{{worker="{w.index}"}} {w.active_tokens() // spec.block_size}'

@@ -10,12 +10,16 @@ SLO, so the controller steers on latency, with the fleet's own telemetry as the 
   or its in-flight count minus the batch leases held, whichever is larger;
 - what batch requests themselves saw: 429/503 answers, their prompt and output sizes.
 
+On a split fleet the prefill engines' occupancy (requests running or waiting there) is a third
+signal where a fleet sets a target for it: an interactive prompt queued behind batch prefills
+misses its first-token SLO before the window's mean TTFT moves.
+
 The law is AIMD-like. Grow in proportion to the room left while latency sits below the SLO
 with a margin (and only while the leases are actually used; the mean TTFT against a fraction of
 its SLO, as the SLO holds each request and the sensor reads a window's mean); cut in proportion to the overshoot
 when the smoothed latency crosses the target; cut hard when a queue forms, a 429/503 arrives,
 an engine preempts or its KV cache nears full, latency crosses the SLO itself, or interactive
-requests surge, and then
+requests surge (on a split fleet, a lighter cut: see `split_surge_keep`), and then
 also shed: publish a target below the in-flight count so drains abort their youngest requests
 and requeue them. The KV model caps the limit (the cache's token capacity follows from its byte
 budget and the bytes per token) and the engines' sequence slots cap it too, with a reserve kept
@@ -74,7 +78,25 @@ class ControlConfig:
     # bounds every request's TTFT, the sensor reads a window's mean, and once batch prefills
     # share the engine the slow tail runs about twice the mean (measured in the simulator).
     ttft_mean_target: float = 0.7
+    # The window's TTFT quantile (the frontend's histogram, `FrontendStats.ttft_tail_s`) may
+    # reach this fraction of the TTFT SLO. 0 leaves the tail out.
+    ttft_tail_target: float = 0.0
     queue_periods: int = 3  # a waiting queue seen this many periods in a row has formed
+    # What a surge leaves of the batch in flight where prefill runs on engines of its own (a
+    # split fleet): there the burst's prompts queue behind batch prefills, not behind batch
+    # decoding, so the cut only has to stop new prefills for a while and shed the youngest
+    # requests (those still waiting for the prefill engine); halving everything in flight threw
+    # away decoding work (tuned in the simulator, bench.sim_harvest).
+    split_surge_keep: float = 0.75
+    # Split fleets: the mean number of requests on each prefill engine (running + waiting,
+    # smoothed with `prefill_busy_smoothing` per period) the batch may bring it to. The
+    # first-token SLO binds each request, and an interactive prompt that lands behind queued batch
+    # prefills misses it while the window's mean TTFT still looks fine; the engines' occupancy
+    # moves first. 0 leaves it out (the default: what suits a fleet depends on how long a prefill
+    # is against the TTFT SLO; 0.4 on the mocker fleet, while a prefill-bound fleet such as the
+    # GB200 one sits above 1 with interactive work alone).
+    prefill_busy_target: float = 0.0
+    prefill_busy_smoothing: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -97,8 +119,10 @@ class Controller:
         self.limit = float(cfg.floor)
         self._itl: float | None = None
         self._ttft: float | None = None
+        self._ttft_tail: float | None = None
         self._itl_floor: float | None = None  # step time with (almost) no batch work
         self._hold_until = 0.0
+        self._prefill_busy: float | None = None  # smoothed requests per prefill engine
         self._last_interactive = -1e9
         self._was_idle = False
         self._queued_for = 0
@@ -143,7 +167,7 @@ class Controller:
         if snap is None or not snap.complete or now - snap.at > cfg.stale_s:
             # Fail closed, and start again from the floor once telemetry is back.
             self.limit = float(cfg.floor)
-            self._itl = self._ttft = None
+            self._itl = self._ttft = self._ttft_tail = None
             if not self.seen and cfg.unseen_limit is not None:
                 return Decision(cfg.unseen_limit, None, "unseen", batch=batch_inflight)
             return Decision(cfg.floor, None, "no-telemetry", batch=batch_inflight)
@@ -164,9 +188,11 @@ class Controller:
         if itl_raw is None and ttft_raw is None and fe.inflight == 0 and b == 0:
             # Nothing running, so nothing measured: the last latency is stale, not a reading. Kept,
             # it would hold a limit cut to a floor of 0 there for good (no work, no new figure).
-            self._itl = self._ttft = None
+            self._itl = self._ttft = self._ttft_tail = None
         self._itl = self._smooth(self._itl, itl_raw)
         self._ttft = self._smooth(self._ttft, ttft_raw)
+        tail_raw = fe.ttft_tail_s if cfg.ttft_tail_target > 0 else None
+        self._ttft_tail = self._smooth(self._ttft_tail, tail_raw)
         if itl_raw is not None and b <= 2:
             self._itl_floor = itl_raw if self._itl_floor is None else 0.9 * self._itl_floor + 0.1 * itl_raw
         interactive = max(fe.streaming, fe.inflight - b)
@@ -193,14 +219,28 @@ class Controller:
         # Latency as a fraction of the target of the moment: the worse of the two pools.
         scale = cfg.idle_target if idle else 1.0
         itl_slo, ttft_slo = cfg.slo.itl_s * scale, cfg.slo.ttft_s * scale * cfg.ttft_mean_target
+        tail_slo = cfg.slo.ttft_s * scale * cfg.ttft_tail_target
         pressure = max(
             (self._itl / itl_slo) if self._itl is not None else 0.0,
             (self._ttft / ttft_slo) if self._ttft is not None else 0.0,
+            (self._ttft_tail / tail_slo) if self._ttft_tail is not None else 0.0,
         )
         raw_pressure = max(
             (itl_raw / itl_slo) if itl_raw is not None else 0.0,
             (ttft_raw / ttft_slo) if ttft_raw is not None else 0.0,
+            (tail_raw / tail_slo) if tail_raw is not None else 0.0,
         )
+        # Split fleets: how busy the prefill engines are against what the batch may bring them to
+        # (it gates growth and cuts in proportion, like latency, but never cuts hard on its own).
+        prefill_engines = [w for w in snap.workers if w.role == "prefill"]
+        busy = 0.0
+        if prefill_engines and cfg.prefill_busy_target > 0:
+            occ = sum(w.running + w.waiting for w in prefill_engines) / len(prefill_engines)
+            a = cfg.prefill_busy_smoothing
+            self._prefill_busy = occ if self._prefill_busy is None else a * occ + (1 - a) * self._prefill_busy
+            # With no interactive request for idle_after_s, no prompt waits behind the batch's.
+            if now - self._last_interactive < cfg.idle_after_s:
+                busy = self._prefill_busy / cfg.prefill_busy_target
         in_use = min(self.limit, float(b))
         shed_to: int | None = None
         if self._was_idle and not idle:
@@ -226,21 +266,22 @@ class Controller:
             "",
         ):
             reason = hard
-            self.limit = in_use * cfg.hard_cut
+            keep = cfg.split_surge_keep if hard == "surge" and prefill_engines else cfg.hard_cut
+            self.limit = in_use * keep
             shed_to = int(self.limit)
             self._hold_until = now + cfg.hold_s
-        elif pressure > cfg.cut_above:
-            reason = "cut"
-            overshoot = (pressure - cfg.cut_above) / cfg.cut_above
+        elif max(pressure, busy) > cfg.cut_above:
+            reason = "cut" if pressure > cfg.cut_above else "prefill-busy"
+            overshoot = (max(pressure, busy) - cfg.cut_above) / cfg.cut_above
             self.limit = in_use * max(cfg.hard_cut, 1.0 - cfg.cut_gain * overshoot)
             self._hold_until = now + cfg.hold_s
         elif now < self._hold_until:
             reason = "hold"
-        elif pressure < cfg.grow_below and b >= int(0.7 * self.limit):
+        elif max(pressure, busy) < cfg.grow_below and b >= int(0.7 * self.limit):
             # (int: with a fractional limit below one, no lease can be taken, and growth must
             # not wait for one.)
             reason = "grow"
-            room = (cfg.grow_below - pressure) / cfg.grow_below
+            room = (cfg.grow_below - max(pressure, busy)) / cfg.grow_below
             self.limit += max(1.0, cfg.grow_gain * room * self.limit)
         else:
             reason = "steady"

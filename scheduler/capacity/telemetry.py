@@ -32,6 +32,7 @@ F_INFLIGHT = "dynamo_frontend_inflight_requests"
 F_QUEUED = "dynamo_frontend_queued_requests"
 F_ITL = "dynamo_frontend_inter_token_latency_seconds"
 F_TTFT = "dynamo_frontend_time_to_first_token_seconds"
+F_TTFT_BUCKET = f"{F_TTFT}_bucket"
 F_DECODE_BLOCKS = "dynamo_frontend_worker_active_decode_blocks"
 F_PREFILL_TOKENS = "dynamo_frontend_worker_active_prefill_tokens"
 F_TOTAL_BLOCKS = "dynamo_frontend_model_total_kv_blocks"
@@ -61,6 +62,7 @@ _FRONTEND_NAMES = (
     f"{F_ITL}_count",
     f"{F_TTFT}_sum",
     f"{F_TTFT}_count",
+    F_TTFT_BUCKET,
     F_DECODE_BLOCKS,
     F_PREFILL_TOKENS,
     F_TOTAL_BLOCKS,
@@ -176,6 +178,10 @@ class FrontendStats:
     rejected: int  # admission rejections since the previous scrape
     streaming: int  # streamed requests in flight
     stream_arrivals: int  # streamed requests started since the previous scrape
+    # The window's TTFT at `FleetTelemetry.ttft_quantile`, from the histogram's buckets (None:
+    # no buckets, or no first token in the window): the SLO bounds each request's TTFT, and the
+    # tail moves before the mean does.
+    ttft_tail_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -237,6 +243,55 @@ class _Counter:
         return ((s - prev_s) / n if n > 0 else None), n
 
 
+def _le(labels: str) -> float | None:
+    """The `le` bound of a bucket sample's labels."""
+    at = labels.find('le="')
+    if at < 0:
+        return None
+    end = labels.find('"', at + 4)
+    try:
+        return float(labels[at + 4 : end])
+    except ValueError:
+        return None
+
+
+def bucket_quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
+    """The q-quantile of a histogram's cumulative (le, count) buckets, sorted by le, as
+    Prometheus' histogram_quantile gives it: linear within the bucket it falls in; the highest
+    finite bound when it falls in the +Inf bucket."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    prev_le, prev_n = 0.0, 0.0
+    for le, n in buckets:
+        if n >= rank:
+            if le == float("inf"):
+                return prev_le
+            return prev_le + (le - prev_le) * ((rank - prev_n) / (n - prev_n) if n > prev_n else 1.0)
+        prev_le, prev_n = le, n
+    return prev_le
+
+
+@dataclass
+class _Buckets:
+    """A cumulative histogram's buckets turned into the window's buckets since the last scrape."""
+
+    last: dict[float, float] | None = None
+
+    def window(self, samples: list[tuple[str, float]] | None) -> list[tuple[float, float]]:
+        if not samples:
+            return []
+        now: dict[float, float] = {}
+        for labels, v in samples:
+            le = _le(labels)
+            if le is not None:
+                now[le] = now.get(le, 0.0) + v  # summed over the series' other labels
+        prev, self.last = self.last, now
+        if prev is None or any(now[le] < prev.get(le, 0.0) for le in now):  # first scrape, or a restart
+            return []
+        return sorted((le, now[le] - prev.get(le, 0.0)) for le in now)
+
+
 @dataclass
 class FleetTelemetry:
     """Scrapes one deployment. Not thread-safe: one controller owns one instance."""
@@ -253,6 +308,9 @@ class FleetTelemetry:
     # One model of a deployment that serves several: the frontend's series labelled with another
     # model are left out (the endpoints list that model's workers only).
     model: str | None = None
+    # The TTFT quantile the frontend's histogram is read at (`FrontendStats.ttft_tail_s`).
+    ttft_quantile: float = 0.9
+    _ttft_buckets: _Buckets = field(default_factory=_Buckets)
 
     def _get(self, url: str) -> str | None:
         if self._client is None:
@@ -287,6 +345,7 @@ class FleetTelemetry:
         s = parse_prometheus(text, _FRONTEND_NAMES)
         itl, _ = self._window(url, F_ITL, s)
         ttft, _ = self._window(url, F_TTFT, s)
+        ttft_tail = bucket_quantile(self._ttft_buckets.window(s.get(F_TTFT_BUCKET)), self.ttft_quantile)
         rejected_total = _total(s, F_REJECTED) or 0.0
         rejected = 0 if self._last_rejected is None else max(0, int(rejected_total - self._last_rejected))
         self._last_rejected = rejected_total
@@ -307,6 +366,7 @@ class FleetTelemetry:
             rejected=rejected,
             streaming=max(0, int(started - finished)),
             stream_arrivals=0 if prev_started is None else max(0, int(started - prev_started)),
+            ttft_tail_s=ttft_tail,
         )
 
     def _worker(self, ep: MetricsEndpoint, text: str) -> WorkerStats:

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
+
+import pytest
 
 from backfill.scheduler.capacity.law import ControlConfig, Controller, ObsDelta, Slo
 from backfill.scheduler.capacity.telemetry import (
     FleetSnapshot,
+    FleetTelemetry,
     FrontendStats,
     KvModel,
     WorkerStats,
+    _Buckets,
     _Counter,
+    bucket_quantile,
     parse_prometheus,
 )
 from backfill.scheduler.drain.shedding import shed_count
@@ -239,3 +245,84 @@ def test_a_frontend_alone_is_enough_telemetry() -> None:
     assert "no-telemetry" not in reasons and c.limit > 1
     t, reasons = run(c, 4, t, None, workers=0, itl=0.030)
     assert reasons[0] == "over-slo" and c.limit < 64
+
+
+def split_snap(at: float, *, prefill_busy: int = 0, streaming: int = 0, arrivals: int = 0, **kw: Any) -> FleetSnapshot:
+    """A split fleet: one prefill engine with `prefill_busy` requests on it, two decode engines."""
+    base = snap(at, streaming=streaming, arrivals=arrivals, **kw)
+    assert base.frontend is not None
+    prefill = WorkerStats(
+        role="prefill", url="p0", kv_usage=0.1, running=min(prefill_busy, 1), waiting=max(0, prefill_busy - 1),
+        itl_s=None, itl_n=0, ttft_s=None, ttft_n=0, preempted=0,
+    )  # fmt: skip
+    decode = tuple(replace(w, role="decode") for w in base.workers)
+    return replace(base, workers=(prefill, *decode))
+
+
+def test_a_surge_on_a_split_fleet_sheds_only_the_youngest() -> None:
+    # Its prompts queue behind batch prefills, not behind batch decoding: a lighter cut than on
+    # an aggregated fleet, still at once.
+    c = Controller(ControlConfig(slo=SLO, ceiling=200))
+    c.limit = 40
+    d = c.step(split_snap(1.0, streaming=5, arrivals=5, inflight=45), 40, ObsDelta(), 1.0)
+    assert d.reason == "surge" and d.shed_to == 30
+
+
+def test_a_busy_prefill_engine_stops_growth_while_interactive_work_is_around() -> None:
+    cfg = ControlConfig(slo=SLO, ceiling=200, prefill_busy_target=0.4, prefill_busy_smoothing=1.0)
+    c = Controller(cfg)
+    c.limit = 40
+    d = c.step(split_snap(1.0, prefill_busy=1, streaming=1, inflight=41), 40, ObsDelta(), 1.0)
+    # 1 request on the engine against 0.4: cut in proportion (no shedding), not grown.
+    assert d.reason == "prefill-busy" and d.limit < 40 and d.shed_to is None
+    c2 = Controller(cfg)
+    c2.limit = 40
+    d = c2.step(split_snap(1.0, prefill_busy=0, streaming=1, inflight=41), 40, ObsDelta(), 1.0)
+    assert d.reason == "grow"
+    # With no interactive request for idle_after_s, no prompt waits behind the batch's.
+    c3 = Controller(cfg)
+    c3.limit = 40
+    d = c3.step(split_snap(5.0, prefill_busy=3, inflight=40), 40, ObsDelta(), 5.0)
+    assert d.reason == "grow"
+    # Off by default: the same busy engine does not stop growth.
+    c4 = Controller(ControlConfig(slo=SLO, ceiling=200))
+    c4.limit = 40
+    d = c4.step(split_snap(1.0, prefill_busy=3, streaming=1, inflight=41), 40, ObsDelta(), 1.0)
+    assert d.reason == "grow"
+
+
+def test_the_ttft_tail_comes_from_the_histograms_window_buckets() -> None:
+    assert bucket_quantile([(0.1, 0.0), (0.22, 8.0), (0.47, 10.0), (float("inf"), 10.0)], 0.9) == pytest.approx(0.345)
+    assert bucket_quantile([(0.1, 0.0), (float("inf"), 4.0)], 0.9) == 0.1  # the highest finite bound
+    assert bucket_quantile([(0.1, 0.0), (float("inf"), 0.0)], 0.9) is None  # no first token
+    b = _Buckets()
+    line = 'model="m",le="{}"'
+    assert b.window([(line.format("0.1"), 5.0), (line.format("+Inf"), 9.0)]) == []  # the baseline
+    assert b.window([(line.format("0.1"), 6.0), (line.format("+Inf"), 12.0)]) == [(0.1, 1.0), (float("inf"), 3.0)]
+    assert b.window([(line.format("0.1"), 1.0), (line.format("+Inf"), 2.0)]) == []  # a restart
+    # Parsed from the frontend's text, per scrape window.
+    tel = FleetTelemetry([MetricsEndpoint("frontend", "f")])
+    texts = iter(
+        [
+            'dynamo_frontend_time_to_first_token_seconds_bucket{le="0.1"} 0\n'
+            'dynamo_frontend_time_to_first_token_seconds_bucket{le="+Inf"} 0\n',
+            'dynamo_frontend_time_to_first_token_seconds_bucket{le="0.1"} 1\n'
+            'dynamo_frontend_time_to_first_token_seconds_bucket{le="0.22"} 10\n'
+            'dynamo_frontend_time_to_first_token_seconds_bucket{le="+Inf"} 10\n',
+        ]
+    )
+    tel._get = lambda url: next(texts)  # type: ignore[method-assign]
+    assert tel.scrape().frontend.ttft_tail_s is None  # type: ignore[union-attr]
+    assert tel.scrape().frontend.ttft_tail_s == pytest.approx(0.1 + 0.12 * 8 / 9)  # type: ignore[union-attr]
+
+
+def test_the_ttft_tail_steers_where_a_target_is_set() -> None:
+    cfg = ControlConfig(slo=SLO, ceiling=200, smoothing=1.0, ttft_tail_target=0.9)
+    c = Controller(cfg)
+    c.limit = 40
+    tail = replace(snap(1.0), frontend=replace(snap(1.0).frontend, ttft_tail_s=0.175))  # type: ignore[type-var]
+    d = c.step(tail, 40, ObsDelta(), 1.0)  # 0.175 s against 0.9 x 0.2 s: 0.97 of it
+    assert d.reason == "cut" and d.limit < 40
+    off = Controller(ControlConfig(slo=SLO, ceiling=200, smoothing=1.0))
+    off.limit = 40
+    assert off.step(tail, 40, ObsDelta(), 1.0).reason == "grow"
