@@ -5,7 +5,9 @@ Pages are cut by bytes, not by line count: a page ends once its lines' answers r
 small. Answers run from a few hundred bytes (chat) to hundreds of KB (embeddings), so a page of
 a fixed number of lines could take gigabytes of the reader's memory. The cut is planned from
 the answers' sizes (`octet_length`, which Postgres reads from a stored value's header without
-fetching or decompressing it), read for ROWS_PER_FETCH lines at once, ahead of the pages.
+fetching or decompressing it): on SQLite read for ROWS_PER_FETCH lines at once, ahead of the
+pages; on Postgres only for lines none of which is small enough that ROWS_PER_FETCH of them fit
+a page, which the read of the page itself tells (`_pg_pages`).
 
 Every read is a short transaction of its own (`units`), ended before its page is handed on, so a
 reader that stalls between pages (a slow download) holds no connection and no snapshot. The
@@ -47,6 +49,9 @@ PAGE_BYTES = 8 * 1024 * 1024  # a page's answers: what a reader holds, a few tim
 ROWS_PER_FETCH = 5000  # lines a page at most, and the lines whose sizes one plan reads
 PLAN_RANGES = 10  # ranges of ROWS_PER_FETCH lines whose totals one statement reads
 LINE_OVERHEAD = 192  # a line's bytes beside its answer and custom_id (ids, status, error body)
+# A line's bytes as a page is cut by (`_line_size`), on Postgres, and the cap of a read that formats all.
+PG_LINE_SIZE = f"(coalesce(octet_length(response_body), 0) + coalesce(octet_length(custom_id), 0) + {LINE_OVERHEAD})"
+_NO_CAP = 2**31 - 1
 # Pages Postgres formats at once (one backend each), and pages read ahead of the one handed on:
 # what the reader holds is at most PG_AHEAD + 1 pages.
 PG_READERS, PG_AHEAD = 2, 3
@@ -79,14 +84,12 @@ def pages(units: UnitOfWork, batch_id: str, files: Files, *, pending_as: Request
     """Every page of the batch's rows in input order, each read once for both `files`."""
     with units() as session:
         postgres = session.get_bind().dialect.name == "postgresql"
-    ranges = _page_ranges(units, batch_id)
     if postgres:
-        statement = _pg_page_sql(_file_of_states(files), tuple(str(state) for state in error_bodies(pending_as)))
-        yield from _pg_pages(units, ranges, statement, _pg_params(batch_id, pending_as))
+        yield from _pg_pages(units, batch_id, files, pending_as)
         return
     errors = error_bodies(pending_as)
     query = _page_query(batch_id, files)
-    for start, end in ranges:
+    for start, end in _page_ranges(units, batch_id):
         with units() as session:
             rows = session.execute(query, {"start": start, "end": end}).all()
         yield _split_page(rows, files, errors)  # (the transaction has ended)
@@ -126,37 +129,91 @@ def _page_ranges(units: UnitOfWork, batch_id: str) -> Iterator[tuple[int, int]]:
         planned = ranges[-1][1]
 
 
-def _pg_pages(
-    units: UnitOfWork, ranges: Iterator[tuple[int, int]], statement: str, params: dict[str, Any]
-) -> Generator[Page, None, None]:
+def _pg_pages(units: UnitOfWork, batch_id: str, files: Files, pending_as: RequestState) -> Generator[Page, None, None]:
     """The pages in order, formatted by Postgres PG_READERS at a time, each in a transaction of
-    its own (the lines of a finalizing batch are settled: no shared snapshot is needed). A page
-    comes as the bytes Postgres sent, on psycopg's cursor: read as text, its lines were decoded
-    into a str and encoded back, a fifth of the finalizing process's CPU."""
+    its own (the lines of a finalizing batch are settled: no shared snapshot is needed).
 
-    def read(start: int, end: int) -> Page:
+    Each ROWS_PER_FETCH line numbers are read as one page by one statement, unless a line of
+    them is larger than PAGE_BYTES / ROWS_PER_FETCH (`line_cap`): so many lines no larger than
+    that are a page's bytes at most, and the statement formats no line larger (`_pg_page_sql`)
+    and says whether it met one. Only then are that range's sizes read and its pages cut
+    (`page_ends`), and the ranges after it (a batch of large answers) are cut before they are
+    read. Most batches, answers under a KB or two, are read without any plan: reading every
+    line's size beforehand was a second read of the rows, a seventh of the database's time.
+
+    A page comes as the bytes Postgres sent, on psycopg's cursor: read as text, its lines were
+    decoded into a str and encoded back, a fifth of the finalizing process's CPU."""
+    c = BatchRequest.__table__.c
+    with units() as session:
+        last = session.execute(select(func.max(c.line)).where(c.batch_id == batch_id)).scalar() or 0
+    statement = _pg_page_sql(_file_of_states(files), tuple(str(state) for state in error_bodies(pending_as)))
+    params = _pg_params(batch_id, pending_as)
+    line_cap = PAGE_BYTES // ROWS_PER_FETCH
+    cut_first = False  # whether the ranges not yet asked for are cut before they are read
+
+    def fetch(sql: str, bounds: dict[str, int]) -> list[Any]:
+        """The rows of one statement, in a transaction of its own, text columns as their bytes."""
         with units() as session:
             connection = session.connection().connection.driver_connection
             assert connection is not None
             with connection.cursor(binary=True) as cursor:
-                cursor.adapters.register_loader("text", ByteaBinaryLoader)  # text as its bytes
-                row = cursor.execute(statement, {**params, "start": start, "end": end}).fetchone()
-        first, second, n_first, n_second, *usage = row
+                cursor.adapters.register_loader("text", ByteaBinaryLoader)
+                rows: list[Any] = cursor.execute(sql, {**params, **bounds}).fetchall()
+        return rows
+
+    def read(start: int, end: int, cap: int = _NO_CAP) -> Page | None:
+        """The page (start, end]; None if a line of it is larger than `cap` (not all formatted)."""
+        [(first, second, n_first, n_second, *usage, fits)] = fetch(
+            statement, {"start": start, "end": end, "line_cap": cap}
+        )
+        if fits is False:
+            return None
         return Page(
             lines=(first or b"", second or b""),
             counts=(int(n_first), int(n_second)),
             usage=(int(usage[0]), int(usage[1]), int(usage[2]), int(usage[3])),
         )
 
+    def read_all(start: int, end: int) -> Page:
+        page = read(start, end)
+        assert page is not None  # (no line is over _NO_CAP: a text is at most 1 GB)
+        return page
+
+    def read_range(start: int, end: int, cut: bool) -> Page | list[tuple[int, int]]:
+        """The range as one page, or (a line of it over line_cap) its pages, cut by its sizes."""
+        if not cut and (page := read(start, end, line_cap)) is not None:
+            return page
+        ends = list(page_ends(fetch(_PG_SIZES, {"start": start, "end": end})))
+        if len(ends) <= 1:
+            return read_all(start, end)
+        return list(zip([start, *ends[:-1]], [*ends[:-1], end], strict=True))
+
+    ranges = ((start, min(start + ROWS_PER_FETCH, last)) for start in range(0, last, ROWS_PER_FETCH))
     with ThreadPoolExecutor(PG_READERS, thread_name_prefix="finalize-read") as pool:
-        ahead: deque[Future[Page]] = deque()
+        ahead: deque[Future[Any]] = deque()  # in line order: a range's page or its cut, or a page of a cut
         try:
             while True:
-                while len(ahead) < PG_AHEAD and (page := next(ranges, None)) is not None:
-                    ahead.append(pool.submit(read, *page))
+                while len(ahead) < PG_AHEAD and (range_ := next(ranges, None)) is not None:
+                    ahead.append(pool.submit(read_range, *range_, cut_first))
                 if not ahead:
                     return
-                yield ahead.popleft().result()
+                got = ahead.popleft().result()
+                if isinstance(got, Page):
+                    yield got
+                    continue
+                cut_first = True  # large answers: the ranges after this one are cut before they are read
+                cut: Iterator[tuple[int, int]] = iter(got)
+                pieces: deque[Future[Any]] = deque()
+                try:
+                    while True:  # its pages in order, ahead of the ranges after it, the reads held bounded
+                        while len(pieces) < max(1, PG_AHEAD - len(ahead)) and (piece := next(cut, None)):
+                            pieces.append(pool.submit(read_all, *piece))
+                        if not pieces:
+                            break
+                        yield pieces.popleft().result()
+                finally:
+                    for future in pieces:
+                        future.cancel()
         finally:
             for future in ahead:  # a reader that stopped early: read no further than what runs
                 future.cancel()
@@ -285,22 +342,32 @@ def _pg_page_sql(file_of_states: tuple[tuple[str, int], ...], error_states: tupl
     usage = ", ".join(f"coalesce(sum({c}) FILTER (WHERE succeeded), 0)" for c in USAGE_COLUMNS)
     return f"""
         SELECT
-            string_agg({line}, '') FILTER (WHERE file = 0),
-            string_agg({line}, '') FILTER (WHERE file = 1),
+            string_agg({line}, '') FILTER (WHERE file = 0 AND fits),
+            string_agg({line}, '') FILTER (WHERE file = 1 AND fits),
             count(*) FILTER (WHERE file = 0),
             count(*) FILTER (WHERE file = 1),
-            {usage}
+            {usage},
+            bool_and(fits)
         FROM (
             SELECT line, result_id, custom_id, status_code, request_id, response_body, {", ".join(USAGE_COLUMNS)},
                 CASE state {file} END AS file,
                 CAST(CASE state {tail} END AS text) AS tail,
-                state = '{RequestState.succeeded.value}' AS succeeded
+                state = '{RequestState.succeeded.value}' AS succeeded,
+                {PG_LINE_SIZE} <= %(line_cap)s AS fits
             FROM batch_requests
             WHERE batch_id = %(batch_id)s AND line > %(start)s AND line <= %(end)s
             ORDER BY line
             OFFSET 0
         ) AS page
     """
+
+
+# The (line, size) of each line of a range, in line order: what `page_ends` cuts it by.
+_PG_SIZES = f"""
+    SELECT line, {PG_LINE_SIZE} FROM batch_requests
+    WHERE batch_id = %(batch_id)s AND line > %(start)s AND line <= %(end)s
+    ORDER BY line
+"""
 
 
 def _split_page(rows: Sequence[Any], files: Files, errors: dict[str, bytes]) -> Page:

@@ -8,15 +8,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import orjson
+import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from backfill.jobs.models import BatchRequest, BatchStatus, RequestState
+from backfill.jobs.output import pages as output_pages
 from backfill.jobs.output.finalize import finalize_batch, output_key
 from backfill.jobs.output.format import ERROR_STATES, OUTPUT_STATES, error_bodies, format_lines
 from backfill.jobs.output.pages import pages
 from backfill.storage.objects import LocalObjectStore
-from tests.jobs.test_output import _batch, _files
+from tests.jobs.test_output import _batch, _files, _statements
 
 MiB = 1024 * 1024
 PAGE_LIMIT = 16 * MiB  # what a page may hold at most, unless it is one line larger than that
@@ -83,3 +85,65 @@ def test_pages_are_cut_by_bytes_and_a_line_over_the_budget_is_a_page_of_its_own(
     written = _files(store, team_id, batch_id)
     assert len(written[output_key(team_id, batch_id, "output")].splitlines()) == 36
     assert len(written[output_key(team_id, batch_id, "error")].splitlines()) == 4
+
+
+def test_a_range_with_a_line_too_large_to_read_whole_is_cut_and_so_are_the_ranges_after_it(
+    db: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On Postgres a range of ROWS_PER_FETCH lines is read as one page by one statement unless a
+    line of it is larger than PAGE_BYTES / ROWS_PER_FETCH: that statement formats no such line
+    and says so, and only then are the range's sizes read and its pages cut, and, the batch's
+    answers being large, the sizes of the ranges read after it. On either database: the bytes
+    of one formatting of all the rows, in order, no page past its bound but a line of its own."""
+    monkeypatch.setattr(output_pages, "ROWS_PER_FETCH", 10)
+    monkeypatch.setattr(output_pages, "PAGE_BYTES", 64 * 1024)  # a line of up to 6.4 KB: a range is a page
+    large = range(26, 31)  # 20 KB answers: the range (20, 30] is cut
+    with db.begin() as s:
+        batch = _batch(s, status=BatchStatus.in_progress, states={})
+        for line in range(1, 61):
+            s.add(
+                BatchRequest(
+                    batch_id=batch.id,
+                    line=line,
+                    custom_id=f"req-{line}",
+                    offset=0,
+                    length=1,
+                    state=RequestState.succeeded if line % 7 else RequestState.failed,
+                    result_id=f"r{line}",
+                    status_code=200 if line % 7 else 400,
+                    request_id=f"fleet-{line}",
+                    response_body=orjson.dumps({"t": "y" * (20_000 if line in large else 300)}).decode(),
+                    prompt_tokens=line,
+                )
+            )
+        s.flush()
+        batch_id = batch.id
+    postgres = db.kw["bind"].dialect.name == "postgresql"
+    seen = _statements(db, monkeypatch)
+    read = list(pages(db.begin, batch_id, (OUTPUT_STATES, ERROR_STATES), pending_as=RequestState.expired))
+    with db() as s:
+        rows = s.execute(
+            select(
+                BatchRequest.line,
+                BatchRequest.result_id,
+                BatchRequest.custom_id,
+                BatchRequest.state,
+                BatchRequest.status_code,
+                BatchRequest.request_id,
+                BatchRequest.response_body,
+            )
+            .where(BatchRequest.batch_id == batch_id)
+            .order_by(BatchRequest.line)
+        ).all()
+    errors = error_bodies(RequestState.expired)
+    for n, states in enumerate((OUTPUT_STATES, ERROR_STATES)):
+        assert b"".join(p.lines[n] for p in read) == format_lines((r for r in rows if r.state in states), errors)
+    assert sum(sum(p.counts) for p in read) == 60
+    assert sum(p.usage[0] for p in read) == sum(line for line in range(1, 61) if line % 7)
+    for p in read:
+        assert sum(len(x) for x in p.lines) <= 64 * 1024 or sum(p.counts) == 1
+    if postgres:
+        cut = {start for sql, start in seen if "string_agg" not in sql and "octet_length" in sql}
+        assert {0, 10}.isdisjoint(cut) and 20 in cut, cut  # read whole, then cut by their sizes
+        assert 50 in cut, cut  # asked for after the cut: cut before it is read
+        assert len(read) > 6  # (20, 30]: more than one page
