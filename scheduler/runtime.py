@@ -36,7 +36,7 @@ from backfill.storage.broker import send_task
 from backfill.storage.db import unit_of_work
 from backfill.storage.fleet_models import get_catalog
 from backfill.storage.leases import LeaseStore, get_lease_store
-from backfill.storage.objects import get_object_store
+from backfill.storage.objects import ObjectStore, get_object_store
 from backfill.storage.settings import Settings, get_settings
 
 
@@ -51,6 +51,13 @@ def get_admission() -> Admission:
         floor=s.capacity_floor,
         deployments=max(1, len(s.fleet_urls)),
     )
+
+
+@lru_cache
+def drain_store() -> ObjectStore:
+    """The object store a process's drains read their lines from, made once: an S3 client (and
+    its bucket check, a request) cost each drain tens of milliseconds of CPU."""
+    return get_object_store()
 
 
 class Planner:
@@ -250,7 +257,7 @@ async def run_drain(s: Settings, *, shutdown: threading.Event, on_all_recorded: 
         admission = get_admission()
         planner = make_planner()
         dispatcher = Dispatcher(
-            store=get_object_store(),
+            store=drain_store(),
             leases=leases,
             admission=admission,
             # The KV the controller's model leaves to batch work: prefix groups and agent

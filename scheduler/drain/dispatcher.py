@@ -36,7 +36,7 @@ from redis.exceptions import RedisError
 from backfill.jobs.errors import error_bytes
 from backfill.jobs.execution.claims import ClaimedRequest
 from backfill.scheduler.capacity.admission import Admission, LeaseReturns, Observation, pool_of
-from backfill.scheduler.drain.claiming import claim_lines, read_bodies
+from backfill.scheduler.drain.claiming import BodyReader, claim_lines
 from backfill.scheduler.drain.escalation import EscalatedRelease, overflow_request_id
 from backfill.scheduler.drain.recorder import Answer, Done, Recorder
 from backfill.scheduler.drain.shedding import InflightCalls
@@ -84,6 +84,7 @@ class Dispatcher:
         on_all_recorded: Callable[[str], None] | None = None,
     ) -> None:
         self.store = store
+        self._bodies = BodyReader(store)  # the claimed lines' bodies, read ahead
         self.leases = leases
         self.admission = admission
         self.fleet = fleet
@@ -318,7 +319,7 @@ class Dispatcher:
         """Read the claimed lines' bodies and send each under its lease; False (the lines
         requeued, their leases given back) when the object store failed the read."""
         try:
-            bodies = await asyncio.to_thread(read_bodies, self.store, claimed)
+            bodies = await asyncio.to_thread(self._bodies.read, claimed)
         except Exception:
             log.exception("reading %d claimed lines from the object store failed; requeued", len(claimed))
             await self._give_back(leases[: len(claimed)])
