@@ -69,7 +69,21 @@ class ProcessSampler:
     finalizing: bool = False
     peak_rss_finalizing: dict[str, int] = field(default_factory=dict)
     cpu: dict[int, float] = field(default_factory=dict)  # pid -> last seen user+system seconds
+    # Who used the CPU while the batch finalized: every process on the machine, by group
+    # (`machine_cpu`), between the polls that saw `finalizing` start and end.
+    database: str = ""
+    finalizing_cpu: dict[str, float] = field(default_factory=dict)
+    _finalizing_from: dict[int, tuple[str, float]] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
+
+    def set_finalizing(self, finalizing: bool) -> None:
+        if finalizing and not self.finalizing:
+            self._finalizing_from = machine_cpu(self.roots, self.database)
+        elif self.finalizing and not finalizing:
+            for pid, (group, seconds) in machine_cpu(self.roots, self.database).items():
+                _, before = self._finalizing_from.get(pid, (group, 0.0))
+                self.finalizing_cpu[group] = self.finalizing_cpu.get(group, 0.0) + seconds - before
+        self.finalizing = finalizing
 
     def sample(self) -> None:
         self.loads.append(os.getloadavg()[0])
@@ -106,6 +120,39 @@ class ProcessSampler:
 
     def cpu_total(self) -> float:
         return sum(self.cpu.values())
+
+
+def machine_cpu(roots: dict[str, int], database: str) -> dict[int, tuple[str, float]]:
+    """Every process on the machine: pid -> (its group, user+system seconds so far). Groups: each
+    backfill process with its children (by root name), this database's Postgres backends, the
+    rest of Postgres, the S3 server, the fleet, this benchmark, and everything else (other work
+    on a shared machine)."""
+    groups: dict[int, str] = {}
+    for name, pid in roots.items():
+        try:
+            root = psutil.Process(pid)
+            groups |= {p.pid: name for p in (root, *root.children(recursive=True))}
+        except psutil.Error:
+            continue
+    seen: dict[int, tuple[str, float]] = {}
+    for p in psutil.process_iter(["name", "cmdline", "cpu_times"]):
+        times, cmdline = p.info["cpu_times"], " ".join(p.info["cmdline"] or ())
+        if times is None:
+            continue
+        if p.pid in groups:
+            group = groups[p.pid]
+        elif p.pid == os.getpid():
+            group = "this benchmark"
+        elif p.info["name"] == "postgres" or cmdline.startswith("postgres"):
+            group = "postgres (this database)" if database and f" {database} " in cmdline else "postgres (rest)"
+        elif "weed" in (p.info["name"] or ""):
+            group = "S3 server"
+        elif "dynamo" in cmdline or "mocker" in cmdline:
+            group = "fleet"
+        else:
+            group = "other"
+        seen[p.pid] = (group, times.user + times.system)
+    return seen
 
 
 def db_footprint(pg_url: str) -> list[tuple[str, int, int]]:
@@ -146,7 +193,7 @@ def run_batch(
             ).fetchone()
             status = str(row[0]) if row else status
             seen.setdefault(status, time.perf_counter())
-            sampler.finalizing = status == "finalizing"
+            sampler.set_finalizing(status == "finalizing")
             if row and row[2] and row[1] == 0:  # the last part of the request index is in
                 seen.setdefault("indexed", time.perf_counter())
     end = seen[status]
@@ -247,6 +294,7 @@ def main() -> None:
             # The worker at INFO: its validation and finalization lines say where the time went.
             stack.start("worker", extra_env={"BACKFILL_LOG_LEVEL": "INFO"})
             sampler = ProcessSampler({name: p.pid for name, p in stack.procs.items()})
+            sampler.database = stack.database_url.split("?")[0].rsplit("/", 1)[-1]
             sampler.sample()
             cpu_before = sampler.cpu_total()
             sampler.start()
@@ -290,6 +338,13 @@ def main() -> None:
     finalizing = sorted(sampler.peak_rss_finalizing.items(), key=lambda kv: -kv[1])
     if finalizing:
         print("while finalizing: " + ", ".join(f"{name} {rss / MB:.1f}" for name, rss in finalizing[:3]))
+    if sampler.finalizing_cpu:
+        print(
+            f"CPU seconds while finalizing ({phases['finalize']:.1f} s on {os.cpu_count()} CPUs): "
+            + ", ".join(
+                f"{g} {c:.2f}" for g, c in sorted(sampler.finalizing_cpu.items(), key=lambda kv: -kv[1]) if c >= 0.01
+            )
+        )
     print(f"\n{'table':<24}{'rows':>12}{'MB':>10}")
     for table, rows, nbytes in footprint:
         print(f"{table:<24}{rows:>12}{nbytes / MB:>10.1f}")

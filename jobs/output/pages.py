@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from psycopg.types.numeric import Int4
 from psycopg.types.string import ByteaBinaryLoader
 from sqlalchemy import ColumnElement, Integer, LargeBinary, bindparam, cast, func, select
 from sqlalchemy.orm import Session
@@ -152,13 +153,17 @@ def _pg_pages(units: UnitOfWork, batch_id: str, files: Files, pending_as: Reques
     cut_first = False  # whether the ranges not yet asked for are cut before they are read
 
     def fetch(sql: str, bounds: dict[str, int]) -> list[Any]:
-        """The rows of one statement, in a transaction of its own, text columns as their bytes."""
+        """The rows of one statement, in a transaction of its own, text columns as their bytes,
+        planned as a range scan of the primary key in line order (`_PG_RANGE_SCAN`)."""
         with units() as session:
             connection = session.connection().connection.driver_connection
             assert connection is not None
             with connection.cursor(binary=True) as cursor:
                 cursor.adapters.register_loader("text", ByteaBinaryLoader)
-                rows: list[Any] = cursor.execute(sql, {**params, **bounds}).fetchall()
+                cursor.execute(_PG_RANGE_SCAN)
+                # (int4 bounds: one prepared statement whatever their values, not one per int type)
+                ints = {name: Int4(value) for name, value in bounds.items()}
+                rows: list[Any] = cursor.execute(sql, {**params, **ints}).fetchall()
         return rows
 
     def read(start: int, end: int, cap: int = _NO_CAP) -> Page | None:
@@ -324,7 +329,8 @@ def _pg_page_sql(file_of_states: tuple[tuple[str, int], ...], error_states: tupl
     key's range scan gives without a sort), not by `string_agg(... ORDER BY line)`: Postgres 15
     sorts an ordered aggregate's input whatever order it comes in, a quarter of the database's
     time a page. The subquery keeps its order up to the one Aggregate over it (it has OFFSET,
-    so it is neither flattened nor split between parallel workers); the byte-equality test
+    so it is not flattened into the aggregate's scan), and its order is the range scan's, not a
+    sort's (`_PG_RANGE_SCAN`); the byte-equality test
     (tests/jobs/test_output.py) holds it, over pages of lines out of insertion order."""
     for state in (*(state for state, _ in file_of_states), *error_states):
         assert state in _STATE_ORDER, state  # RequestState values, written into the statement as literals
@@ -360,6 +366,16 @@ def _pg_page_sql(file_of_states: tuple[tuple[str, int], ...], error_states: tupl
             OFFSET 0
         ) AS page
     """
+
+
+# What a page's and a cut's statements are planned under, for their transaction only: no sort and
+# no parallel workers, so the primary key's range scan, which gives the lines in order. Left to
+# the planner, the range's rows were read by a bitmap scan and sorted (a fifth of the database's
+# time a page: `line` correlates with nothing across batches), or, planned for the parameters'
+# values, by two parallel workers started for the statement.
+_PG_RANGE_SCAN = (
+    "SELECT set_config('enable_sort', 'off', true), set_config('max_parallel_workers_per_gather', '0', true)"
+)
 
 
 # The (line, size) of each line of a range, in line order: what `page_ends` cuts it by.

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from backfill.jobs.models import BatchRequest, BatchStatus, RequestState
@@ -147,3 +147,45 @@ def test_a_range_with_a_line_too_large_to_read_whole_is_cut_and_so_are_the_range
         assert {0, 10}.isdisjoint(cut) and 20 in cut, cut  # read whole, then cut by their sizes
         assert 50 in cut, cut  # asked for after the cut: cut before it is read
         assert len(read) > 6  # (20, 30]: more than one page
+
+
+def test_a_page_is_read_by_the_primary_keys_range_scan_in_line_order(db: sessionmaker[Session]) -> None:
+    """On Postgres a page's statement is planned as the primary key's range scan: the lines come
+    in line order with no sort, and no parallel workers are started for it. Here the planner,
+    left alone, reads the range by a bitmap scan and sorts it (two batches' lines interleaved, as
+    in a table of many batches: `line` correlates with nothing), and planned for the range's
+    values it splits that between two parallel workers."""
+    if db.kw["bind"].dialect.name != "postgresql":
+        pytest.skip("Postgres plans")
+    with db.begin() as s:
+        batches = [_batch(s, status=BatchStatus.finalizing, states={}) for _ in range(2)]
+        s.execute(
+            text(
+                'INSERT INTO batch_requests (batch_id, line, custom_id, "offset", length, prefix_hash, token_estimate,'
+                " state, attempts, prompt_tokens, cached_tokens, completion_tokens, reasoning_tokens)"
+                " SELECT b, i, 'r' || i, 0, 1, '', 0, 'pending', 0, 0, 0, 0, 0"
+                " FROM generate_series(1, 20000) AS i, unnest(CAST(:ids AS text[])) AS b"
+            ),
+            {"ids": [b.id for b in batches]},
+        )
+    with db() as s:
+        s.connection().exec_driver_sql("ANALYZE batch_requests")
+        s.commit()
+    files = (OUTPUT_STATES, ERROR_STATES)
+    statement = output_pages._pg_page_sql(
+        output_pages._file_of_states(files), tuple(str(state) for state in error_bodies(RequestState.expired))
+    )
+    params = {
+        **output_pages._pg_params(batches[0].id, RequestState.expired),
+        "start": 5000,
+        "end": 10000,
+        "line_cap": 1677,
+    }
+    with db.begin() as s:
+        connection = s.connection().connection.driver_connection
+        assert connection is not None
+        with connection.cursor() as cursor:
+            cursor.execute(output_pages._PG_RANGE_SCAN)
+            plan = "\n".join(row[0] for row in cursor.execute("EXPLAIN " + statement, params))
+    assert "Index Scan using batch_requests_pkey" in plan, plan
+    assert "Sort" not in plan and "Gather" not in plan and "Bitmap" not in plan, plan
