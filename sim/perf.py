@@ -59,8 +59,14 @@ def _interp1(xs: list[float], ys: list[float], x: float) -> float:
 
 
 def _interp2(xs: list[float], ys: list[float], grid: list[list[float]], x: float, y: float) -> float:
-    col = [_interp1(ys, row, y) for row in grid]
-    return _interp1(xs, col, x)
+    """`_interp1` along x of the rows interpolated along y, computing only the two rows that
+    bracket x (the others do not enter the result; the same arithmetic, so the same figures)."""
+    if len(xs) == 1:
+        return _interp1(ys, grid[0], y)
+    i = 1 if x <= xs[0] else min(bisect_right(xs, x), len(xs) - 1)
+    x0, x1 = xs[i - 1], xs[i]
+    y0, y1 = _interp1(ys, grid[i - 1], y), _interp1(ys, grid[i], y)
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 @dataclass(frozen=True)
