@@ -7,7 +7,7 @@ line's state and that token, so a slow worker presumed dead cannot touch lines c
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, cast
@@ -50,6 +50,7 @@ def claim_requests(
     claim_token: str,
     now: datetime | None = None,
     kv_budget_tokens: int | None = None,
+    answered: Collection[tuple[str, int]] = frozenset(),
 ) -> list[ClaimedRequest]:
     """Move up to `limit` pending lines of one batch to running under `claim_token`.
 
@@ -64,8 +65,10 @@ def claim_requests(
     open to batch work), new sharing work (a prefix group, an agent session) starts only while
     what is in flight fits it (each shared prefix counted once, plus each line's own tokens,
     each agent session once at its largest context however many of its turns are in flight or
-    between two turns); lines sharing nothing are not held back. The batches and how many lines
-    each get are the planner's choice, made before.
+    between two turns); lines sharing nothing are not held back. Lines still running whose
+    answers are in (`answered`, (batch, line): the claiming drain's replies not yet recorded) hold
+    no KV any more: they count as served, not in flight. The batches and how many lines each get
+    are the planner's choice, made before.
     """
     now = now or utcnow()
     # FOR KEY SHARE: claims do not wait on each other or on recorded results, but an expiry
@@ -77,7 +80,7 @@ def claim_requests(
     # Look no further than this many pending lines into the tree: a claim costs the same in a
     # batch of a million lines, and what lies beyond cannot be due before what lies within.
     bound = session.execute(_bound_statement(), {"batch_id": batch_id}).scalar_one_or_none()
-    footprint = _InFlight.load(session, team_id=batch.team_id, model=batch.model, now=now)
+    footprint = _InFlight.load(session, team_id=batch.team_id, model=batch.model, now=now, answered=answered)
     ready = {
         "batch_id": batch_id,
         "now": now,
@@ -356,15 +359,27 @@ class _InFlight:
     reserved: set[int] = field(default_factory=set)  # lines of this batch counted already
 
     @classmethod
-    def load(cls, session: Session, *, team_id: str, model: str | None, now: datetime) -> _InFlight:
+    def load(
+        cls,
+        session: Session,
+        *,
+        team_id: str,
+        model: str | None,
+        now: datetime,
+        answered: Collection[tuple[str, int]] = frozenset(),
+    ) -> _InFlight:
         rows = session.execute(_running_statement()).all()
-        running = {(batch_id, line) for batch_id, line, *_ in rows}
+        running = {(batch_id, line) for batch_id, line, *_ in rows} - set(answered)
         prefixes: dict[str, int] = {}
         hot: dict[str, None] = {}
         warm: set[str] = set()
         own = 0
         warmed_before = now - timedelta(seconds=PREFIX_WARM_S)
-        for batch_id, _, after_line, prefix_hash, prefix_tokens, kv_tokens, claimed_at, team, row_model in rows:
+        for batch_id, line, after_line, prefix_hash, prefix_tokens, kv_tokens, claimed_at, team, row_model in rows:
+            if (batch_id, line) not in running:  # answered, its record on the way: its prefix is cached
+                if prefix_tokens:
+                    warm.add(prefix_hash)
+                continue
             if after_line is not None and (batch_id, after_line) in running:
                 continue  # a later turn of a session in flight: its earliest running turn counts it
             own += max(kv_tokens - prefix_tokens, 0)

@@ -249,6 +249,32 @@ def _release_order(
     return sorted(range(n), key=lambda i: (key[i], lines[i]))
 
 
+def _branching(paths: Sequence[bytes], order: Sequence[int], start: int) -> set[int]:
+    """Lines whose whole path other lines extend in more than one way: a prompt that is itself a
+    shared prefix (an eval question that happens to end where the few-shot preamble's blocks do,
+    with every other question going on from it), not an earlier turn of one session, which only
+    that session's later turns extend, one after another. Its extensions are siblings, not its
+    next turns: none of them waits for it. (`order`: the lines by path, `start` the first with one.)"""
+    branching: set[int] = set()
+    # Ancestors of the current path: (path, index, the block its first extension went on with).
+    stack: list[list[Any]] = []
+    for i in order[start:]:
+        path = paths[i]
+        while stack and not path.startswith(stack[-1][0]):
+            stack.pop()
+        if stack and stack[-1][0] == path:
+            continue  # the same prompt again
+        if stack:
+            top = stack[-1]
+            step = path[len(top[0]) : len(top[0]) + FINGERPRINT_BYTES]
+            if top[2] is None:
+                top[2] = step
+            elif top[2] != step:
+                branching.add(top[1])
+        stack.append([path, i, None])
+    return branching
+
+
 def plan_prefix_order(paths: Sequence[bytes], lines: Sequence[int], kv: Sequence[int] | None = None) -> PrefixPlan:
     """The release order of a batch's lines from their paths (and each line's KV tokens).
 
@@ -285,8 +311,11 @@ def plan_prefix_order(paths: Sequence[bytes], lines: Sequence[int], kv: Sequence
         previous = following
     for pos, i in enumerate(_release_order(paths, lines, shared, increasing)):
         rank[i] = pos
-    # Ancestors of the current path, shallowest first: (path, line, that line's own `after`).
-    stack: list[tuple[bytes, int, int]] = []
+    shared_prompts = _branching(paths, order, start)
+    # Ancestors of the current path, shallowest first: (path, line, that line's own `after`, its
+    # index). A line goes after its nearest ancestor that is a turn of its session, not a prompt
+    # that other lines branch off from too (`_branching`).
+    stack: list[tuple[bytes, int, int, int]] = []
     for i in order[start:]:  # (shorter than a block: shares nothing cacheable, precedes nothing)
         path = paths[i]
         while stack and not path.startswith(stack[-1][0]):
@@ -294,8 +323,8 @@ def plan_prefix_order(paths: Sequence[bytes], lines: Sequence[int], kv: Sequence
         if stack and stack[-1][0] == path:
             after[i] = stack[-1][2]  # the same prompt again (samples): runs beside the first
             continue
-        after[i] = stack[-1][1] if stack else 0
-        stack.append((path, lines[i], after[i]))
+        after[i] = next((line for _, line, _, k in reversed(stack) if k not in shared_prompts), 0)
+        stack.append((path, lines[i], after[i], i))
     session_kv = array("q", kv if kv is not None else bytes(8 * n))
     if kv is not None and any(after):  # (no `after` at all: each line is its own session)
         index: Callable[[int], int] = (

@@ -7,7 +7,7 @@ batch's input file in the object store, read back by ranges.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from backfill.jobs.execution.claims import ClaimedRequest, claim_requests
 from backfill.storage.db import unit_of_work
@@ -24,8 +24,10 @@ def claim_lines(
     *,
     holder: str,
     kv_budget_tokens: int | None,
+    answered: Collection[tuple[str, int]] = frozenset(),
 ) -> list[ClaimedRequest]:
-    """Claim up to `n` lines for `holder`, batch by batch in the planner's order."""
+    """Claim up to `n` lines for `holder`, batch by batch in the planner's order. `answered`: the
+    holder's lines whose replies are in but not yet recorded (they hold no KV any more)."""
     # The plan may list more than n (a tail in priority order): a batch whose lines are all
     # running or backing off yields fewer than planned, and the next one fills in.
     out: list[ClaimedRequest] = []
@@ -40,6 +42,7 @@ def claim_lines(
                 limit=want,
                 claim_token=holder,
                 kv_budget_tokens=kv_budget_tokens,
+                answered=answered,
             )
     return out
 

@@ -270,7 +270,9 @@ class Dispatcher:
             if not leases:
                 continue
             try:
-                claimed, leases, spare = await asyncio.to_thread(self._claim, leases)
+                # A snapshot: the recorder's set changes on this loop while the claim runs on a thread.
+                answered = frozenset(self.recorder.answered)
+                claimed, leases, spare = await asyncio.to_thread(self._claim, leases, answered)
             except RedisError:  # the planner reads the published rate
                 await self._give_back(leases)
                 self._lease_store_down("planning")
@@ -294,7 +296,7 @@ class Dispatcher:
                 await asyncio.sleep(1.0)
 
     def _claim(
-        self, leases: list[tuple[str, Pool]]
+        self, leases: list[tuple[str, Pool]], answered: frozenset[tuple[str, int]] = frozenset()
     ) -> tuple[list[ClaimedRequest], list[tuple[str, Pool]], list[tuple[str, Pool]]]:
         """Claim lines for the leases, pool by pool: a pool's leases carry only lines of the
         models it serves, planned on those models' fair share. Returns the lines, the leases
@@ -307,7 +309,9 @@ class Dispatcher:
         spare: list[tuple[str, Pool]] = []
         for models, group in groups.items():
             planner = self.planner if models is None else functools.partial(self.planner, models=models)
-            got = claim_lines(planner, len(group), holder=self.holder, kv_budget_tokens=self.kv_budget_tokens)
+            got = claim_lines(
+                planner, len(group), holder=self.holder, kv_budget_tokens=self.kv_budget_tokens, answered=answered
+            )
             claimed += got
             used += group[: len(got)]
             spare += group[len(got) :]

@@ -93,8 +93,12 @@ class Recorder:
         self.db_ok.set()
         self._down_since: float | None = None
         self.given_up: set[tuple[str, int]] = set()  # (batch, line) sent, their replies not recorded
+        # (batch, line) answered or aborted, not yet recorded: still running in the database, but
+        # done at the fleet, so the drain's claims do not count them against the KV budget.
+        self.answered: set[tuple[str, int]] = set()
 
     async def put(self, done: Done) -> None:
+        self.answered.add((done.request.batch_id, done.request.line))
         await self.queue.put(done)
 
     async def run(self) -> None:
@@ -109,7 +113,10 @@ class Recorder:
             if group:
                 # Sorted, so concurrent drains lock batch rows in one order.
                 group.sort(key=lambda d: (d.request.batch_id, d.request.line))
-                await self._commit_group(group)
+                try:
+                    await self._commit_group(group)
+                finally:
+                    self.answered.difference_update((d.request.batch_id, d.request.line) for d in group)
             if stop:
                 return
 

@@ -226,3 +226,40 @@ def test_a_sessions_turns_in_flight_count_once_against_the_kv_budget(db: session
         finish(db, batch_id, 3 * done + 1 + t, "k")
     # The other session's three turns in flight count once: the waiting session fits now.
     assert claim(db, batch_id, 10, "k", budget=budget, at=1.0) == [3 * waiting + 1]
+
+
+def test_lines_answered_but_not_yet_recorded_hold_no_kv(db: sessionmaker[Session]) -> None:
+    """A drain's replies wait a moment to be recorded (its lines still read running): they no
+    longer hold KV at the fleet, so the drain's next claim does not count them against the budget."""
+    from sqlalchemy import select
+
+    from backfill.jobs.models import BatchRequest
+
+    system = ("system", words(60, 300))
+    batch_id = new_batch(db, [chat(system, ("user", f"{'ABCDEFGH'[i]} " + words(70 + i, 60))) for i in range(8)])
+    with db.begin() as s:
+        rows = s.execute(
+            select(BatchRequest.prefix_tokens, BatchRequest.kv_tokens).where(BatchRequest.batch_id == batch_id)
+        ).all()
+    prefix, own = rows[0][0], max(kv - p for p, kv in rows)
+    assert prefix > 0 and all(p == prefix for p, _ in rows)
+    budget = prefix + 2 * own  # the shared prefix and two lines' own tokens
+
+    def claim_with(at: float, answered: frozenset[tuple[str, int]] = frozenset()) -> list[int]:
+        with db.begin() as s:
+            got = claim_requests(
+                s,
+                batch_id=batch_id,
+                limit=4,
+                claim_token="d",
+                now=T0 + timedelta(seconds=at),
+                kv_budget_tokens=budget,
+                answered=answered,
+            )
+            return [r.line for r in got]
+
+    first = claim_with(0.0) + claim_with(1.0)  # the leader, then one more: the budget is full
+    assert len(first) == 2
+    assert claim_with(1.1) == []
+    # Both answered, their records on the way: two more fit, and the prefix needs no leader.
+    assert len(claim_with(1.2, answered=frozenset((batch_id, line) for line in first))) == 2
