@@ -15,16 +15,17 @@ lines of a finalizing batch are settled, so its pages need no shared snapshot; a
 batch's partial output shows each line once, in input order, as it stood when its page was read.
 
 Pages are ranges of line numbers read through the primary key (batch_id, line): each reads and
-sorts at most a page of rows whatever plan the statistics give. The state is tested on the page
-(a subquery with OFFSET 0, which the planner keeps as written): given to the scan, stale
-statistics right after a large run led the planner to the (batch_id, state, ...) indexes and to
-reading and sorting every row of the batch for each page.
+sorts at most a page of rows whatever plan the statistics give, and on Postgres is planned as
+that key's range scan, which gives the lines in order without a sort (`_PG_RANGE_SCAN`). The
+state is tested on the page (a subquery with OFFSET 0, which the planner keeps as written):
+given to the scan, stale statistics right after a large run led the planner to the
+(batch_id, state, ...) indexes and to reading and sorting every row of the batch for each page.
 
 On Postgres the database writes each page's lines (`_pg_page_sql`: one aggregate row a page, no
 Python per line), PG_READERS pages at once on connections of their own, so the next pages are
-formatted while one is handed on. The bytes are `jobs.output.format.format_lines`'s, which
-writes them everywhere else (SQLite, the embedded mode); tests/jobs/test_output.py holds the
-two to the same bytes for hostile values.
+formatted while one is handed on, and hands them over as bytes. The bytes are
+`jobs.output.format.format_lines`'s, which writes them everywhere else (SQLite, the embedded
+mode); tests/jobs/test_output.py holds the two to the same bytes for hostile values.
 """
 
 from __future__ import annotations
@@ -47,14 +48,17 @@ from backfill.jobs.output.format import USAGE_COLUMNS, error_bodies, format_line
 from backfill.storage.db import UnitOfWork
 
 PAGE_BYTES = 8 * 1024 * 1024  # a page's answers: what a reader holds, a few times over, at once
-ROWS_PER_FETCH = 5000  # lines a page at most, and the lines whose sizes one plan reads
-PLAN_RANGES = 10  # ranges of ROWS_PER_FETCH lines whose totals one statement reads
+# Lines a page at most, and the lines whose sizes one plan reads. Larger pages cost Postgres more
+# a line (20,000 short lines, 3.5 MB a page: about half as much again), smaller ones more a page.
+ROWS_PER_FETCH = 5000
+PLAN_RANGES = 10  # ranges of ROWS_PER_FETCH lines whose totals one statement reads (SQLite)
 LINE_OVERHEAD = 192  # a line's bytes beside its answer and custom_id (ids, status, error body)
 # A line's bytes as a page is cut by (`_line_size`), on Postgres, and the cap of a read that formats all.
 PG_LINE_SIZE = f"(coalesce(octet_length(response_body), 0) + coalesce(octet_length(custom_id), 0) + {LINE_OVERHEAD})"
 _NO_CAP = 2**31 - 1
 # Pages Postgres formats at once (one backend each), and pages read ahead of the one handed on:
-# what the reader holds is at most PG_AHEAD + 1 pages.
+# what the reader holds is at most PG_AHEAD + 1 pages. (Three readers, four ahead: no faster on
+# two cores.)
 PG_READERS, PG_AHEAD = 2, 3
 
 # The two files one read of the rows writes at once: the states of the lines in each.
@@ -97,7 +101,7 @@ def pages(units: UnitOfWork, batch_id: str, files: Files, *, pending_as: Request
 
 
 def _page_ranges(units: UnitOfWork, batch_id: str) -> Iterator[tuple[int, int]]:
-    """Each page as (after this line, up to this one). Each ROWS_PER_FETCH line numbers are one
+    """Each page as (after this line, up to this one), on SQLite. Each ROWS_PER_FETCH line numbers are one
     page when their sizes sum to at most PAGE_BYTES (most batches: answers of a few KB), which
     one aggregate says, read for PLAN_RANGES such ranges by one statement (`_totals_query`);
     only otherwise are their sizes read to cut them (`page_ends`). Ranges of line numbers, not
