@@ -263,6 +263,10 @@ class CapacitySettings(BaseSettings):
     # With no interactive request in flight, the latency target may stretch to this multiple
     # of the SLO (the first interactive arrival sheds back); 1.0 keeps the SLO target always.
     capacity_idle_target: float = 1.0
+    # Split fleets: the mean requests (running + waiting) on each prefill engine the batch may
+    # bring it to; 0 leaves the signal out. Suits a fleet whose prefill is short against the
+    # TTFT SLO (0.4 on the simulated split fleet); see docs/scheduling.md.
+    capacity_prefill_busy_target: float = Field(default=0.0, ge=0.0)
     # Share of releases guaranteed to batches forecast to miss their completion window.
     deadline_guaranteed_share: float = 0.5
 

@@ -326,3 +326,15 @@ def test_the_ttft_tail_steers_where_a_target_is_set() -> None:
     off = Controller(ControlConfig(slo=SLO, ceiling=200, smoothing=1.0))
     off.limit = 40
     assert off.step(tail, 40, ObsDelta(), 1.0).reason == "grow"
+
+
+def test_the_prefill_busy_target_reaches_the_law_from_its_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from backfill.scheduler.runtime import control_config
+    from backfill.storage.settings import Settings
+
+    assert control_config(Settings()).prefill_busy_target == 0.0  # off unless asked for
+    monkeypatch.setenv("BACKFILL_CAPACITY_PREFILL_BUSY_TARGET", "0.4")
+    assert control_config(Settings()).prefill_busy_target == 0.4
+    monkeypatch.setenv("BACKFILL_CAPACITY_PREFILL_BUSY_TARGET", "-1")
+    with pytest.raises(ValueError):
+        Settings()
