@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import secrets
 from datetime import timedelta
+from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from backfill.jobs.billing.ledger import current_price_version
@@ -65,3 +67,22 @@ def make_batch(
         )
     session.flush()
     return batch
+
+
+def formatter_rows(session: Session, batch_id: str) -> list[Any]:
+    """A batch's lines, in line order, with the columns the output formatter reads."""
+    return list(
+        session.execute(
+            select(
+                BatchRequest.line,
+                BatchRequest.result_id,
+                BatchRequest.custom_id,
+                BatchRequest.state,
+                BatchRequest.status_code,
+                BatchRequest.request_id,
+                BatchRequest.response_body,
+            )
+            .where(BatchRequest.batch_id == batch_id)
+            .order_by(BatchRequest.line)
+        ).all()
+    )

@@ -26,6 +26,7 @@ from backfill.jobs.output import format as output_format
 from backfill.jobs.output import pages as output_pages
 from backfill.jobs.output.finalize import derived_file_id, finalize_batch, output_key
 from backfill.storage.objects import LocalObjectStore
+from tests.factories import formatter_rows
 
 # line -> state; answered lines (succeeded, failed) carry the fleet's reply.
 LINES = {
@@ -324,19 +325,7 @@ def test_the_pages_write_the_same_bytes_as_one_formatting_of_all_rows(
         batch_id = batch.id
     monkeypatch.setattr(output_pages, "ROWS_PER_FETCH", page)
     with db() as s:
-        rows = s.execute(
-            select(
-                BatchRequest.line,
-                BatchRequest.result_id,
-                BatchRequest.custom_id,
-                BatchRequest.state,
-                BatchRequest.status_code,
-                BatchRequest.request_id,
-                BatchRequest.response_body,
-            )
-            .where(BatchRequest.batch_id == batch_id)
-            .order_by(BatchRequest.line)
-        ).all()
+        rows = formatter_rows(s, batch_id)
         for kind_states, pending_as in (
             (output_format.OUTPUT_STATES, RequestState.expired),
             (output_format.ERROR_STATES, RequestState.expired),

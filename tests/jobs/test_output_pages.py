@@ -9,7 +9,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from sqlalchemy import select, text
+from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
 from backfill.jobs.models import BatchRequest, BatchStatus, RequestState
@@ -18,6 +18,7 @@ from backfill.jobs.output.finalize import finalize_batch, output_key
 from backfill.jobs.output.format import ERROR_STATES, OUTPUT_STATES, error_bodies, format_lines
 from backfill.jobs.output.pages import pages
 from backfill.storage.objects import LocalObjectStore
+from tests.factories import formatter_rows
 from tests.jobs.test_output import _batch, _files, _statements
 
 MiB = 1024 * 1024
@@ -57,19 +58,7 @@ def test_pages_are_cut_by_bytes_and_a_line_over_the_budget_is_a_page_of_its_own(
     batch_id, team_id = _large_batch(db)
     with db() as s:
         read = list(pages(db.begin, batch_id, (OUTPUT_STATES, ERROR_STATES), pending_as=RequestState.expired))
-        rows = s.execute(
-            select(
-                BatchRequest.line,
-                BatchRequest.result_id,
-                BatchRequest.custom_id,
-                BatchRequest.state,
-                BatchRequest.status_code,
-                BatchRequest.request_id,
-                BatchRequest.response_body,
-            )
-            .where(BatchRequest.batch_id == batch_id)
-            .order_by(BatchRequest.line)
-        ).all()
+        rows = formatter_rows(s, batch_id)
     sizes = [(sum(len(x) for x in p.lines), sum(p.counts)) for p in read]
     assert len(read) >= 40 * MiB // PAGE_LIMIT + 1, sizes
     for size, count in sizes:
@@ -122,19 +111,7 @@ def test_a_range_with_a_line_too_large_to_read_whole_is_cut_and_so_are_the_range
     seen = _statements(db, monkeypatch)
     read = list(pages(db.begin, batch_id, (OUTPUT_STATES, ERROR_STATES), pending_as=RequestState.expired))
     with db() as s:
-        rows = s.execute(
-            select(
-                BatchRequest.line,
-                BatchRequest.result_id,
-                BatchRequest.custom_id,
-                BatchRequest.state,
-                BatchRequest.status_code,
-                BatchRequest.request_id,
-                BatchRequest.response_body,
-            )
-            .where(BatchRequest.batch_id == batch_id)
-            .order_by(BatchRequest.line)
-        ).all()
+        rows = formatter_rows(s, batch_id)
     errors = error_bodies(RequestState.expired)
     for n, states in enumerate((OUTPUT_STATES, ERROR_STATES)):
         assert b"".join(p.lines[n] for p in read) == format_lines((r for r in rows if r.state in states), errors)
