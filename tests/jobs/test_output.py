@@ -38,6 +38,23 @@ LINES = {
 }
 
 
+def answered_line(batch_id: str, line: int, *, failed: bool, body: object, **columns: Any) -> BatchRequest:
+    """A line the fleet answered (400 when `failed`), its reply `body` as JSON."""
+    return BatchRequest(
+        batch_id=batch_id,
+        line=line,
+        custom_id=f"req-{line}",
+        offset=0,
+        length=1,
+        state=RequestState.failed if failed else RequestState.succeeded,
+        result_id=f"r{line}",
+        status_code=400 if failed else 200,
+        request_id=f"fleet-{line}",
+        response_body=orjson.dumps(body).decode(),
+        **columns,
+    )
+
+
 def _batch(session: Session, *, status: BatchStatus, states: dict[int, RequestState]) -> Batch:
     team = Team(name=f"t-{secrets.token_hex(4)}")
     session.add(team)
@@ -58,23 +75,28 @@ def _batch(session: Session, *, status: BatchStatus, states: dict[int, RequestSt
     session.add(batch)
     session.flush()
     for line, state in states.items():
-        answered = state in (RequestState.succeeded, RequestState.failed)
-        session.add(
-            BatchRequest(
+        if state in (RequestState.succeeded, RequestState.failed):
+            ok = state == RequestState.succeeded
+            row = answered_line(
+                batch.id,
+                line,
+                failed=not ok,
+                body={"n": line, "text": "x" * 700},
+                prompt_tokens=10 * line if ok else 0,
+                completion_tokens=line if ok else 0,
+            )
+        else:
+            row = BatchRequest(
                 batch_id=batch.id,
                 line=line,
                 custom_id=f"req-{line}",
                 offset=0,
                 length=1,
                 state=state,
-                result_id=f"r{line}" if answered else None,
-                status_code=(200 if state == RequestState.succeeded else 400) if answered else None,
-                request_id=f"fleet-{line}" if answered else None,
-                response_body=orjson.dumps({"n": line, "text": "x" * 700}).decode() if answered else None,
-                prompt_tokens=10 * line if state == RequestState.succeeded else 0,
-                completion_tokens=line if state == RequestState.succeeded else 0,
+                prompt_tokens=0,
+                completion_tokens=0,
             )
-        )
+        session.add(row)
     session.flush()
     return batch
 

@@ -7,19 +7,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import orjson
 import pytest
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
-from backfill.jobs.models import BatchRequest, BatchStatus, RequestState
+from backfill.jobs.models import BatchStatus, RequestState
 from backfill.jobs.output import pages as output_pages
 from backfill.jobs.output.finalize import finalize_batch, output_key
 from backfill.jobs.output.format import ERROR_STATES, OUTPUT_STATES, error_bodies, format_lines
 from backfill.jobs.output.pages import pages
 from backfill.storage.objects import LocalObjectStore
 from tests.factories import formatter_rows
-from tests.jobs.test_output import _batch, _files, _statements
+from tests.jobs.test_output import _batch, _files, _statements, answered_line
 
 MiB = 1024 * 1024
 PAGE_LIMIT = 16 * MiB  # what a page may hold at most, unless it is one line larger than that
@@ -34,17 +33,11 @@ def _large_batch(db: sessionmaker[Session]) -> tuple[str, str]:
             size = 17 * MiB if line == BIG_LINE else MiB
             failed = line % 10 == 0
             s.add(
-                BatchRequest(
-                    batch_id=batch.id,
-                    line=line,
-                    custom_id=f"req-{line}",
-                    offset=0,
-                    length=1,
-                    state=RequestState.failed if failed else RequestState.succeeded,
-                    result_id=f"r{line}",
-                    status_code=400 if failed else 200,
-                    request_id=f"fleet-{line}",
-                    response_body=orjson.dumps({"embedding": f"{line:x}" * (size // len(f"{line:x}"))}).decode(),
+                answered_line(
+                    batch.id,
+                    line,
+                    failed=failed,
+                    body={"embedding": f"{line:x}" * (size // len(f"{line:x}"))},
                     prompt_tokens=line,
                 )
             )
@@ -91,17 +84,11 @@ def test_a_range_with_a_line_too_large_to_read_whole_is_cut_and_so_are_the_range
         batch = _batch(s, status=BatchStatus.in_progress, states={})
         for line in range(1, 61):
             s.add(
-                BatchRequest(
-                    batch_id=batch.id,
-                    line=line,
-                    custom_id=f"req-{line}",
-                    offset=0,
-                    length=1,
-                    state=RequestState.succeeded if line % 7 else RequestState.failed,
-                    result_id=f"r{line}",
-                    status_code=200 if line % 7 else 400,
-                    request_id=f"fleet-{line}",
-                    response_body=orjson.dumps({"t": "y" * (20_000 if line in large else 300)}).decode(),
+                answered_line(
+                    batch.id,
+                    line,
+                    failed=not line % 7,
+                    body={"t": "y" * (20_000 if line in large else 300)},
                     prompt_tokens=line,
                 )
             )
