@@ -20,24 +20,10 @@ from pathlib import Path
 
 import httpx
 
+from bench.runbatch import make_lines, token_range
+
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
 MODEL = "tiny-chat"
-
-
-def make_lines(n: int, max_tokens: int) -> list[dict[str, object]]:
-    return [
-        {
-            "custom_id": f"r{i}",
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": f"Summarise item {i} of the catalogue in one line."}],
-                "max_tokens": max_tokens,
-            },
-        }
-        for i in range(n)
-    ]
 
 
 async def direct(fleet_url: str, lines: list[dict[str, object]], concurrency: int) -> float:
@@ -82,14 +68,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--max-tokens", type=token_range, default=(16, 16), help="a count or a range: 50-500")
     ap.add_argument("--fleet-workers", type=int, default=2)
     ap.add_argument("--speedup", type=float, default=10.0, help="mocker speedup ratio (simulated time per wall second)")
     args = ap.parse_args()
 
     from backfill.devfleet.stack import launch_stack
 
-    lines = make_lines(args.requests, args.max_tokens)
+    # The mocker answers max_tokens tokens whatever the prompt, so no ignore_eos.
+    lines = make_lines(args.requests, MODEL, args.max_tokens, ignore_eos=False)
     settings = {
         "BACKFILL_MAX_INFLIGHT": str(args.concurrency),
         # A fixed bound: this measures backfill's own machinery, not the controller.
@@ -119,6 +106,7 @@ def main() -> None:
     assert n_out == args.requests, (n_out, args.requests)
     d_rps, b_rps = args.requests / direct_s, args.requests / backfill_s
     print(
+        f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}: "
         f"requests={args.requests} concurrency={args.concurrency} max_tokens={args.max_tokens} fleet_workers={args.fleet_workers}"
     )
     print(f"{'path':<28}{'seconds':>10}{'req/s':>10}")

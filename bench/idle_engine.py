@@ -33,7 +33,7 @@ from typing import Any
 import psutil
 
 from bench.engine_gauge import parse_cores, pinned, read_gauge
-from bench.runbatch import make_lines, through_backfill
+from bench.runbatch import make_lines, through_backfill, token_range
 
 PROBE_DIR = Path(__file__).parent / "idle_probe"
 
@@ -116,6 +116,7 @@ class Watch:
             values["calls_in_flight"] = probe.get("bench_drain_fleet_calls_in_flight", 0.0)
             values["loop_lag_ms"] = 1000 * probe.get("bench_drain_loop_lag_seconds", 0.0)
             claimed = probe.get("bench_drain_claimed_lines_total", 0.0)
+            values["claimed"] = claimed
             values["claims_per_s"] = 0.0 if claimed_before is None else (claimed - claimed_before) / dt
             claimed_before = claimed
             ours = 0.0
@@ -223,7 +224,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lines", type=int, default=3000)
     ap.add_argument("--limit", type=int, nargs="+", default=[128], help="L: BACKFILL_MAX_INFLIGHT (one run each)")
-    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--max-tokens", type=token_range, default=(8, 8), help="a count or a range: 50-500")
     ap.add_argument("--pin", default="0:1", help="ENGINE:BACKFILL core lists ('' for none)")
     ap.add_argument("--setting", action="append", default=[], help="NAME=VALUE for backfill's processes")
     ap.add_argument("--png", type=Path, default=Path("bench/out/idle-engine.png"), help="-L<L> is added per run")
@@ -303,6 +304,7 @@ def run_one(server: Any, limit: int, args: argparse.Namespace) -> None:
             "vllm:request_inference_time_seconds",
         ]
         before = _hist_means(_get(server.metrics_url), vllm_names)
+        claimed_at_start = _probe_values(metrics_dir).get("bench_drain_claimed_lines_total", 0.0)
         client_before = _client_latency(metrics_dir)
         psutil.cpu_times_percent(percpu=False)
         with watch:
@@ -320,9 +322,16 @@ def run_one(server: Any, limit: int, args: argparse.Namespace) -> None:
     s = watch.samples.series
     busy = [r > 0 or c > 0 for r, c in zip(s["engine_running"], s["calls_in_flight"], strict=True)]
     summary = {k: busy_mean(v, busy) for k, v in s.items()}
+    # The floor's window: while lines are still waiting to be claimed (the batch's tail, when
+    # fewer than L lines are left, cannot fill the engine whatever the client does).
+    waiting = [b and c < claimed_at_start + args.lines for b, c in zip(busy, s["claimed"], strict=True)]
+    summary["engine_running_while_lines_wait"] = busy_mean(s["engine_running"], waiting)
+    summary["calls_in_flight_while_lines_wait"] = busy_mean(s["calls_in_flight"], waiting)
     ok = sum(1 for x in out if (x.get("response") or {}).get("status_code") == 200)
+    lo, hi = args.max_tokens
+    tokens = f"{lo}" if lo == hi else f"{lo}-{hi}"
     title = (
-        f"backfill -> vLLM on CPU, L={limit}, {args.lines} lines x {args.max_tokens} tokens, pin {args.pin or 'none'}:"
+        f"backfill -> vLLM on CPU, L={limit}, {args.lines} lines x {tokens} tokens, pin {args.pin or 'none'}:"
         f" {seconds:.0f} s, engine running {summary['engine_running']:.1f} (mean, busy)"
     )
     plot(watch.samples, png, title)
@@ -334,7 +343,9 @@ def run_one(server: Any, limit: int, args: argparse.Namespace) -> None:
     print("  a request's life, mean s: " + ", ".join(f"{k}={v:.3f}" for k, v in life.items()))
     print(
         f"idle: L={limit} lines={args.lines} ok={ok} seconds={seconds:.1f} lines_s={args.lines / seconds:.1f}"
-        f" engine_running_mean={summary['engine_running']:.1f} engine_waiting_mean={summary['engine_waiting']:.1f}"
+        f" engine_running_mean={summary['engine_running']:.1f}"
+        f" engine_running_while_lines_wait={summary['engine_running_while_lines_wait']:.1f}"
+        f" engine_waiting_mean={summary['engine_waiting']:.1f}"
         f" leases_mean={summary.get('leases', 0):.1f} calls_mean={summary['calls_in_flight']:.1f}"
         f" claims_per_s={summary['claims_per_s']:.1f} lag_ms_mean={summary['loop_lag_ms']:.1f}",
         flush=True,

@@ -32,6 +32,7 @@ import contextlib
 import io
 import json
 import os
+import random
 import subprocess
 import tempfile
 import time
@@ -43,7 +44,19 @@ from bench.engine_gauge import RunningGauge, parse_cores, pinned
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/6")
 
 
-def make_lines(n: int, model: str, max_tokens: int) -> list[dict[str, Any]]:
+def token_range(spec: str) -> tuple[int, int]:
+    """`--max-tokens`: one count (`8`) or a range drawn from per line (`50-500`)."""
+    lo, _, hi = spec.partition("-")
+    return int(lo), int(hi or lo)
+
+
+def make_lines(
+    n: int, model: str, max_tokens: int | tuple[int, int], *, ignore_eos: bool = True
+) -> list[dict[str, Any]]:
+    """n chat lines; with a (lo, hi) range each line's max_tokens is drawn uniformly from it,
+    seeded, so every runner and every run gets the same lines."""
+    lo, hi = (max_tokens, max_tokens) if isinstance(max_tokens, int) else max_tokens
+    rng = random.Random(n)
     return [
         {
             "custom_id": f"r{i}",
@@ -52,9 +65,9 @@ def make_lines(n: int, model: str, max_tokens: int) -> list[dict[str, Any]]:
             "body": {
                 "model": model,
                 "messages": [{"role": "user", "content": f"Summarise item {i} of the catalogue in one line."}],
-                "max_tokens": max_tokens,
-                "ignore_eos": True,
-            },
+                "max_tokens": rng.randint(lo, hi),
+            }
+            | ({"ignore_eos": True} if ignore_eos else {}),
         }
         for i in range(n)
     ]
@@ -154,7 +167,7 @@ def through_backfill(base_url: str, key: str, lines: list[dict[str, Any]]) -> tu
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lines", type=int, nargs="+", default=[5_000, 20_000])
-    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--max-tokens", type=token_range, default=(8, 8), help="a count or a range: 50-500")
     ap.add_argument("--inflight", type=int, default=128, help="backfill's bound on requests in flight")
     ap.add_argument("--engine-arg", action="append", default=[], help="extra engine argument for both runs")
     ap.add_argument("--pin", default="", help="ENGINE:BACKFILL core lists (taskset form), e.g. 0:1")
