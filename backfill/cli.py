@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -76,6 +77,7 @@ def worker(
     """Run a Celery worker: validation, drains onto the fleet, finalization."""
     import backfill.scheduler.tasks  # noqa: F401  (registers the task bodies on the broker's app)
     from backfill.storage.broker import QueueName, celery_app
+    from backfill.storage.objects import preload_s3_client
     from backfill.storage.settings import get_settings
     from backfill.worker_watchdog import install, kill_children, leave
 
@@ -84,6 +86,14 @@ def worker(
     n = concurrency or s.drains + 2
     queues = ",".join(q.value for q in QueueName)
     install(s.drain_grace_s)  # told to stop, it is gone within the grace (plus a margin)
+    # What every pool child would load again on its first task, loaded once here before the
+    # pool forks: boto3 and the S3 client's descriptions (`storage.objects.preload_s3_client`).
+    preload_s3_client()
+    # Then what this process holds so far goes to the garbage collector's permanent generation,
+    # which the children inherit: their full collections no longer walk the ~160K objects of
+    # the imported modules (and leave those pages shared with this process).
+    gc.collect()
+    gc.freeze()
     code = 1
     try:
         celery_app.worker_main(

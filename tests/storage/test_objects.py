@@ -6,6 +6,7 @@ S3 parts, so the multipart path, its abort and the regrouping of chunks are all 
 
 from __future__ import annotations
 
+import os
 import secrets
 import subprocess
 import sys
@@ -225,3 +226,46 @@ def test_s3_list_pages_past_a_thousand_keys(s3: Any) -> None:
         list(pool.map(lambda k: store.client.put_object(Bucket=BUCKET, Key=k, Body=b"x"), keys))
     listed = [o.key for o in store.list(root)]
     assert len(listed) == 1_005 and set(listed) == keys
+
+
+# A worker preloads the S3 client before its pool forks (`preload_s3_client`); a child then
+# makes its store without parsing a description file, and the store it makes works.
+FORKED_AFTER_PRELOAD = """
+import os, sys
+from botocore import loaders
+from backfill.storage.objects import S3ObjectStore, preload_s3_client
+preload_s3_client()
+loaded = []
+read = loaders.JSONFileLoader.load_file
+loaders.JSONFileLoader.load_file = lambda self, path: loaded.append(path) or read(self, path)
+pid = os.fork()
+if pid == 0:
+    url, bucket, access, secret, region, key = sys.argv[1:]
+    store = S3ObjectStore(endpoint_url=url, bucket=bucket, access_key=access, secret_key=secret, region=region)
+    store.put(key, [b"forked\\n"])
+    os._exit(0 if b"".join(store.open(key)) == b"forked\\n" and not loaded else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_child_forked_after_the_preload_makes_a_working_store_from_what_was_loaded(s3: Any) -> None:
+    env = {
+        **os.environ,
+        "BACKFILL_S3_ENDPOINT_URL": s3.endpoint_url,
+        "BACKFILL_S3_REGION": s3.region,
+        # The preload uses placeholder keys, never these: a credential lookup must not run in it.
+        "BACKFILL_S3_ACCESS_KEY": "",
+        "BACKFILL_S3_SECRET_KEY": "",
+    }
+    key = _key("forked.jsonl")
+    args = [s3.endpoint_url, BUCKET, s3.access_key, s3.secret_key, s3.region, key]
+    done = subprocess.run([sys.executable, "-c", FORKED_AFTER_PRELOAD, *args], cwd=ROOT, env=env, timeout=120)
+    assert done.returncode == 0
+
+
+def test_without_an_s3_endpoint_the_preload_loads_nothing() -> None:
+    env = {**os.environ, "BACKFILL_S3_ENDPOINT_URL": ""}
+    script = "import sys; from backfill.storage.objects import preload_s3_client; preload_s3_client(); "
+    script += "sys.exit('boto3' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, timeout=60).returncode == 0
