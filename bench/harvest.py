@@ -384,12 +384,15 @@ def main(argv: list[str] | None = None) -> None:
     from bench.harvest_report import final_line, plot, table_row, write_summary
 
     png = out_dir / f"harvest-{variant}.png"
+    summary = out_dir / f"harvest-{variant}{'' if runs >= {'b', 'c'} else '-partial'}.json"
     if not runs >= {"b", "c"}:
-        print(f"partial run ({a.runs}): no plot, no closing line")
+        # Still written: bench.sim_calibrate compares a partial run ((a), a few statics, (c)).
+        write_summary(summary, variant, spec, slo, results, elapsed, "")
+        print(f"partial run ({a.runs}): no plot, no closing line; wrote {summary}")
         return
     plot(png, raws, results, slo)
     line = final_line(results)
-    write_summary(out_dir / f"harvest-{variant}.json", variant, spec, slo, results, elapsed, line)
+    write_summary(summary, variant, spec, slo, results, elapsed, line)
     print(f"wrote {png} ({elapsed / 60:.1f} min)")
     print(table_row(results))
     print(line)
