@@ -6,10 +6,12 @@ import os
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from backfill.storage.leases import LeaseStore, RedisLeaseStore, SqlLeaseStore
+from tests.process_env import process_env, scratch_database
 
 
 @pytest.fixture(params=["redis", "sql"])
@@ -18,21 +20,12 @@ def store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         url = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379") + "/10"
         yield RedisLeaseStore(url, namespace=f"t-{uuid.uuid4().hex[:8]}")
         return
-    from backfill.storage import db, settings
-
-    home = tmp_path_factory.mktemp("leases")
-    os.environ["BACKFILL_HOME"] = str(home)
-    os.environ.pop("BACKFILL_DATABASE_URL", None)
-    settings.get_settings.cache_clear()
-    db.get_engine.cache_clear()
-    db._session_factory.cache_clear()
     from backfill.migrate import upgrade
 
-    upgrade()
-    yield SqlLeaseStore()
-    settings.get_settings.cache_clear()
-    db.get_engine.cache_clear()
-    db._session_factory.cache_clear()
+    # The embedded database under a home of its own.
+    with process_env({"BACKFILL_HOME": str(tmp_path_factory.mktemp("leases")), "BACKFILL_DATABASE_URL": None}):
+        upgrade()
+        yield SqlLeaseStore()
 
 
 # TTLs are seconds, not fractions of one: on a loaded CI machine a SQLite commit can take
@@ -65,26 +58,13 @@ def test_heartbeats_and_published_values_expire(store: LeaseStore) -> None:
     assert store.read("limit:fleet") is None
 
 
-def test_concurrent_acquirers_on_postgres_never_pass_the_limit(
-    tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_concurrent_acquirers_on_postgres_never_pass_the_limit(tmp_path: Path) -> None:
     """Drains acquiring at the same moment on Postgres: each counts the pool, then inserts, so
     without one lock per pool two of them pass the same count and the pool holds more than its
     limit. Rounds of many simultaneous acquirers, each wanting more than its share."""
-    import secrets
     import threading
 
-    from backfill.devfleet.services import PG_ADMIN_URL, create_database, drop_database
-    from backfill.migrate import upgrade
-    from backfill.storage import db, settings
-
-    name = f"backfill_leases_{secrets.token_hex(4)}"
-    monkeypatch.setenv("BACKFILL_DATABASE_URL", create_database(PG_ADMIN_URL, name))
-    monkeypatch.setenv("BACKFILL_HOME", str(tmp_path))
-    for cached in (settings.get_settings, db.get_engine, db._session_factory):
-        cached.cache_clear()
-    try:
-        upgrade()
+    with scratch_database("backfill_leases", tmp_path):
         store = SqlLeaseStore()
         limit, acquirers = 4, 12
         for round_ in range(5):
@@ -102,11 +82,6 @@ def test_concurrent_acquirers_on_postgres_never_pass_the_limit(
             for t in threads:
                 t.join()
             assert sum(map(len, granted)) == limit == store.count(pool), granted
-    finally:
-        db.get_engine().dispose()
-        for cached in (settings.get_settings, db.get_engine, db._session_factory):
-            cached.cache_clear()
-        drop_database(PG_ADMIN_URL, name)
 
 
 def test_the_published_batch_rate_is_none_while_the_lease_store_is_away() -> None:
