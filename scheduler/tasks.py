@@ -20,13 +20,13 @@ billiard's exit code 70, which Celery logs at ERROR).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
 import threading
 from types import FrameType
 
+import uvloop
 from billiard.process import active_children
 from celery.signals import task_postrun, task_prerun, worker_process_init, worker_shutting_down
 
@@ -136,4 +136,7 @@ def finalize_batch(batch_id: str) -> str | None:
 @celery_app.task(name=TaskName.drain.value, acks_late=False)
 def drain() -> int:
     """Release pending lines onto the fleet for one time slice."""
-    return asyncio.run(run_drain(get_settings(), shutdown=SHUTDOWN, on_all_recorded=_start_finalization))
+    # On uvloop: a drain's loop turns once or more per fleet call (the call, its reply, the
+    # hand-offs to the recorder and the lease returns), and asyncio's own loop and transports
+    # in Python were a third of the drain's loop CPU.
+    return uvloop.run(run_drain(get_settings(), shutdown=SHUTDOWN, on_all_recorded=_start_finalization))
