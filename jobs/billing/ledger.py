@@ -23,9 +23,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal, InvalidOperation
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import func, select
+from sqlalchemy import Table, TextClause, bindparam, func, select, text
 from sqlalchemy.orm import Session
 
 from backfill.jobs.billing.models import Price, UsageLedgerEntry
@@ -282,19 +282,53 @@ def _warn_unpriced(model: str, batch_id: str) -> None:
     )
 
 
-def _insert_ignoring_duplicates(session: Session, rows: list[dict[str, Any]]) -> None:
-    if not rows:
+# A batch's entries of one recorded group: the columns that differ line by line, in the order
+# `_LEDGER_GROUP` unnests them; the rest (the batch's key, team, model, price, the time) are one value.
+_PER_LINE = (
+    "line",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "reasoning_tokens",
+    "input_cost_micros",
+    "cached_input_cost_micros",
+    "output_cost_micros",
+    "cost_micros",
+)
+_PER_BATCH = ("batch_id", "team_id", "api_key_id", "model", "price_version", "recorded_at")
+
+
+def _ledger_group_statement() -> TextClause:
+    """One INSERT for a batch's entries of a group on Postgres: the per-line columns as arrays,
+    unnested, so its text is the same for every group size (compiled once, prepared by the
+    server) instead of an ORM bulk insert's parameter sets; a line already billed is skipped."""
+    table = cast(Table, UsageLedgerEntry.__table__)
+    arrays = ", ".join(f"CAST(:{name} AS {'integer' if name == 'line' else 'bigint'}[])" for name in _PER_LINE)
+    columns = ", ".join([*_PER_BATCH, *_PER_LINE])
+    values = ", ".join([*(f":{name}" for name in _PER_BATCH), *(f"given.{name}" for name in _PER_LINE)])
+    return text(
+        f"INSERT INTO usage_ledger ({columns}) SELECT {values} "
+        f"FROM unnest({arrays}) AS given({', '.join(_PER_LINE)}) "
+        "ON CONFLICT ON CONSTRAINT uq_usage_ledger_request DO NOTHING"
+    ).bindparams(*(bindparam(name, type_=table.c[name].type) for name in _PER_BATCH))
+
+
+_LEDGER_GROUP = _ledger_group_statement()
+
+
+def _insert_ignoring_duplicates(session: Session, batch: dict[str, Any], lines: list[dict[str, int]]) -> None:
+    """The entries `lines` (each with the `_PER_LINE` columns) of `batch` (the `_PER_BATCH` ones)."""
+    if not lines:
         return
     if session.get_bind().dialect.name == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert as pg_insert
+        session.execute(_LEDGER_GROUP, {**batch, **{name: [row[name] for row in lines] for name in _PER_LINE}})
+        return
+    from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-        session.execute(pg_insert(UsageLedgerEntry).on_conflict_do_nothing(constraint="uq_usage_ledger_request"), rows)
-    else:
-        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-
-        session.execute(
-            sqlite_insert(UsageLedgerEntry).on_conflict_do_nothing(index_elements=["batch_id", "line"]), rows
-        )
+    session.execute(
+        sqlite_insert(UsageLedgerEntry).on_conflict_do_nothing(index_elements=["batch_id", "line"]),
+        [{**batch, **row} for row in lines],
+    )
 
 
 def record_usage(session: Session, batch: Batch, results: Sequence[tuple[int, Outcome]]) -> None:
@@ -302,8 +336,7 @@ def record_usage(session: Session, batch: Batch, results: Sequence[tuple[int, Ou
     exhausted) cost nothing; cancelled and expired lines never reach `record_outcomes`."""
     priced = _batch_price(session, batch)
     price, rates = priced if priced is not None else (None, None)
-    now = utcnow()
-    rows = []
+    rows: list[dict[str, int]] = []
     billed: list[tuple[Usage, Cost]] = []
     for line, outcome in results:
         if not outcome.succeeded:
@@ -322,24 +355,26 @@ def record_usage(session: Session, batch: Batch, results: Sequence[tuple[int, Ou
         billed.append((usage, cost))
         rows.append(
             {
-                "batch_id": batch.id,
                 "line": line,
-                "team_id": batch.team_id,
-                "api_key_id": batch.api_key_id,
-                "model": batch.model or "",
                 "prompt_tokens": usage.prompt_tokens,
                 "cached_tokens": usage.cached_tokens,
                 "completion_tokens": usage.completion_tokens,
                 "reasoning_tokens": usage.reasoning_tokens,
-                "price_version": price.id if price is not None else None,
                 "input_cost_micros": cost.input_micros,
                 "cached_input_cost_micros": cost.cached_input_micros,
                 "output_cost_micros": cost.output_micros,
                 "cost_micros": cost.total_micros,
-                "recorded_at": now,
             }
         )
-    _insert_ignoring_duplicates(session, rows)
+    of_batch = {
+        "batch_id": batch.id,
+        "team_id": batch.team_id,
+        "api_key_id": batch.api_key_id,
+        "model": batch.model or "",
+        "price_version": price.id if price is not None else None,
+        "recorded_at": utcnow(),
+    }
+    _insert_ignoring_duplicates(session, of_batch, rows)
     if billed:
         count_usage_on_commit(
             session,
