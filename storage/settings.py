@@ -308,8 +308,9 @@ class EscalationSettings(BaseSettings):
     model_config = _CONFIG
 
     # Escalation (scheduler.drain.escalation): a batch whose forecast finish passes its deadline minus
-    # escalation_margin x its window may take escalation_inflight leases per deployment beyond
-    # the controller's limit (a bounded part of the interactive SLO budget, for its lines only);
+    # escalation_margin x its window may take escalation_inflight leases per pool (a deployment's,
+    # or its model's on a deployment serving several) beyond the controller's limit (a bounded
+    # part of the interactive SLO budget, for its lines only);
     # the lines that would still miss go to the overflow deployments (comma-separated
     # OpenAI-compatible base URLs, a circuit breaker each, overflow_max_inflight in flight
     # each), and every line left in the last overflow_margin x its window does.

@@ -349,7 +349,12 @@ class Dispatcher:
             return  # the breakers cannot be read: escalated lines wait for the next round
         try:
             taken = await self.escalation.take(
-                CLAIM_GROUP, holder=self.holder, states=states, held=self._on_deployments(), routes=self.routes
+                CLAIM_GROUP,
+                holder=self.holder,
+                states=states,
+                held=dict(self._on),
+                routes=self.routes,
+                circuits=self.fleet.pool_states,
             )
         except RedisError:
             self._lease_store_down("taking escalated leases")
@@ -361,7 +366,7 @@ class Dispatcher:
             self.recorder.unreachable(exc)
             return
         if taken:
-            await self._launch([r for r, _, _ in taken], [(lease, Pool(d)) for _, lease, d in taken], escalated=True)
+            await self._launch([r for r, _, _ in taken], [(lease, pool) for _, lease, pool in taken], escalated=True)
 
     async def _finish_inflight(self) -> None:
         """Wait for the requests in flight; once stopping, only until shortly before the grace
@@ -378,12 +383,6 @@ class Dispatcher:
     async def _give_back(self, leases: list[tuple[str, Pool]]) -> None:
         for lease, pool in leases:
             self._returns.add(lease, pool)
-
-    def _on_deployments(self) -> dict[int, int]:
-        held: Counter[int] = Counter()
-        for pool, k in self._on.items():
-            held[pool.deployment] += k
-        return dict(held)
 
     async def _room(self, n: int) -> dict[Pool, int]:
         """Leases each pool may give this drain now: the pools of the fleet's deployments for the

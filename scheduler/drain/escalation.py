@@ -6,8 +6,8 @@ nothing, and a share of nothing expires the batch. So a batch whose forecast fin
 deadline minus a margin is escalated, in two steps:
 
 1. relaxed: its lines may take leases beyond the controller's limit, up to a bounded extra per
-   deployment (`BACKFILL_ESCALATION_INFLIGHT`): a bounded part of the interactive SLO budget,
-   spent on these lines only, never on other batch work.
+   pool (`BACKFILL_ESCALATION_INFLIGHT`; a deployment's, or its model's where it serves several):
+   a bounded part of the interactive SLO budget, spent on these lines only, never on other batch work.
 2. overflow: once the batch has been escalated long enough to measure the rate it actually gets,
    the lines that would still miss at that rate go to the overflow deployment
    (`BACKFILL_OVERFLOW_URLS`). In the last `overflow_margin` of the window every line left goes.
@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import IntEnum
@@ -35,7 +35,7 @@ from backfill.jobs.sweeps import PendingBatch
 from backfill.scheduler.capacity.admission import Admission, pool_of
 from backfill.scheduler.drain.claiming import claim_lines
 from backfill.scheduler.fleet.breaker import BreakerState
-from backfill.scheduler.fleet.routing import FleetRoutes
+from backfill.scheduler.fleet.routing import FleetRoutes, Pool
 from backfill.storage.db import unit_of_work
 from backfill.storage.leases import LeaseStore
 
@@ -204,7 +204,9 @@ def escalated_plan(escalations: Mapping[str, Escalation], slots: int, *, overflo
 #
 # - relaxed: a fleet deployment's controller limit plus `BACKFILL_ESCALATION_INFLIGHT`. Ordinary
 #   lines stop at the limit, so the extra goes to escalated lines only, and while they hold it the
-#   ordinary ones get nothing there.
+#   ordinary ones get nothing there. On a deployment serving several models the extra is taken in
+#   the escalated batch's model's own pool (`fleet/MODEL`), over that pool's limit: it spends that
+#   model's workers' SLO budget, as its ordinary lines fill that pool and no other.
 # - overflow: the overflow deployments' pools (`pool_of(i)` for i after the fleet's), each up to
 #   `BACKFILL_OVERFLOW_MAX_INFLIGHT`, only for the overflow lines of batches at that step, and
 #   only while that deployment's circuit is closed (one probe while half-open or open, as the
@@ -216,6 +218,7 @@ def escalated_plan(escalations: Mapping[str, Escalation], slots: int, *, overflo
 OVERFLOW_PREFIX = "overflow-"
 
 Plan = Callable[[int], list[tuple[str, int]]]
+Circuits = Callable[[list[Pool]], Awaitable[dict[Pool, BreakerState]]]
 
 
 def overflow_request_id(request_id: str | None) -> str:
@@ -225,7 +228,7 @@ def overflow_request_id(request_id: str | None) -> str:
 
 @dataclass(frozen=True)
 class EscalationLimits:
-    relaxed_extra: int  # leases per fleet deployment beyond its limit, escalated lines only
+    relaxed_extra: int  # leases per fleet pool beyond its limit, escalated lines only
     overflow_limit: int  # leases per overflow deployment
     overflow_deployments: list[int]  # indices after the fleet's (`FleetClient` order)
 
@@ -278,21 +281,30 @@ class EscalatedRelease:
         *,
         holder: str,
         states: list[BreakerState],
-        held: dict[int, int],
+        held: Mapping[Pool, int],
         routes: FleetRoutes | None = None,
-    ) -> list[tuple[ClaimedRequest, str, int]]:
-        """Up to `want` escalated lines with their leases: (line, lease, deployment). `states`:
-        each deployment's circuit (fleet, then overflow); `held`: this drain's lines per deployment;
-        `routes`: which deployments (overflow ones too) serve which model."""
+        circuits: Circuits | None = None,
+    ) -> list[tuple[ClaimedRequest, str, Pool]]:
+        """Up to `want` escalated lines with their leases: (line, lease, pool). `states`: each
+        deployment's circuit (fleet, then overflow); `held`: this drain's lines per pool;
+        `routes`: which deployments (overflow ones too) serve which model; `circuits`: the
+        circuits of model pools (`FleetClient.pool_states`; without it a pool answers to its
+        deployment's)."""
         escalations = await asyncio.to_thread(self.escalated)
         if not escalations:
             return []
-        out = await self._by_model(
-            want, holder, self.relaxed_plan, self._relaxed_room(states, held), routes, escalations
-        )
+        model_of = self.model_of if routes is not None else None
+        models: list[str | None] = [None]
+        if model_of is not None:
+            models = sorted({model_of(b) for b in escalations}, key=lambda m: m or "")
+        relaxed = await self._relaxed_room(models, states, held, routes, circuits)
+        out = await self._by_model(want, holder, self.relaxed_plan, relaxed, model_of)
         if any(e.overflow_lines for e in escalations.values()) and self.limits.overflow_deployments:
             room = self._overflow_room(states, held)
-            out += await self._by_model(want, holder, self.overflow_plan, room, routes, escalations, overflow=True)
+            overflow = {
+                m: {p: k for p, k in room.items() if routes is None or routes.serves(p.deployment, m)} for m in models
+            }
+            out += await self._by_model(want, holder, self.overflow_plan, overflow, model_of, overflow=True)
         return out
 
     async def _by_model(
@@ -300,49 +312,74 @@ class EscalatedRelease:
         want: int,
         holder: str,
         plan: Plan,
-        limits: dict[int, int],
-        routes: FleetRoutes | None,
-        escalations: Mapping[str, Escalation],
+        rooms: Mapping[str | None, dict[Pool, int]],
+        model_of: Callable[[str], str | None] | None,
         *,
         overflow: bool = False,
-    ) -> list[tuple[ClaimedRequest, str, int]]:
-        """A round per model of the escalated batches, on the deployments serving it."""
-        model_of = self.model_of
-        if routes is None or model_of is None:
-            return await self._round(want, holder, plan, limits, overflow=overflow)
-        out: list[tuple[ClaimedRequest, str, int]] = []
-        for model in sorted({model_of(b) for b in escalations}, key=lambda m: m or ""):
-            served = {d: limit for d, limit in limits.items() if routes.serves(d, model)}
+    ) -> list[tuple[ClaimedRequest, str, Pool]]:
+        """A round per model of the escalated batches, in that model's pools (`rooms`); without
+        `model_of`, one round of every escalated batch (`rooms[None]`)."""
+        if model_of is None:
+            return await self._round(want, holder, plan, rooms[None], overflow=overflow)
+        out: list[tuple[ClaimedRequest, str, Pool]] = []
+        for model, room in rooms.items():
 
             def of_model(n: int, model: str | None = model) -> list[tuple[str, int]]:
                 return [(b, k) for b, k in plan(n) if model_of(b) == model]
 
-            if served and len(out) < want:
-                out += await self._round(want - len(out), holder, of_model, served, overflow=overflow)
+            if room and len(out) < want:
+                out += await self._round(want - len(out), holder, of_model, room, overflow=overflow)
         return out
 
-    def _relaxed_room(self, states: list[BreakerState], held: dict[int, int]) -> dict[int, int]:
+    async def _relaxed_room(
+        self,
+        models: list[str | None],
+        states: list[BreakerState],
+        held: Mapping[Pool, int],
+        routes: FleetRoutes | None,
+        circuits: Circuits | None,
+    ) -> dict[str | None, dict[Pool, int]]:
+        """Per model, the fleet pools its lines take (its own pool where a deployment serving
+        several models has one), each up to that pool's limit plus the extra: the extra spends
+        that model's workers' SLO budget, never another model's or the deployment's plain pool."""
         if self.limits.relaxed_extra <= 0:
-            return {}
-        return {
-            d: self.admission.limit(d) + self.limits.relaxed_extra
-            for d in range(self.admission.deployments)
-            if d < len(states) and (states[d] is BreakerState.closed or not held.get(d))
+            return {m: {} for m in models}
+        deployments = range(self.admission.deployments)
+        pools = {
+            m: [
+                routes.pool(d, m) if routes is not None else Pool(d)
+                for d in deployments
+                if routes is None or routes.serves(d, m)
+            ]
+            for m in models
         }
+        wanted = sorted({p for ps in pools.values() for p in ps}, key=lambda p: (p.deployment, p.model or ""))
+        own = await circuits([p for p in wanted if p.model is not None]) if circuits is not None else {}
+        out: dict[str | None, dict[Pool, int]] = {}
+        for m, ps in pools.items():
+            room = {}
+            for p in ps:
+                if p.deployment >= len(states):
+                    continue
+                state = own.get(p, states[p.deployment])
+                if state is BreakerState.closed or not held.get(p):
+                    room[p] = self.admission.limit(p) + self.limits.relaxed_extra
+            out[m] = room
+        return out
 
-    def _overflow_room(self, states: list[BreakerState], held: dict[int, int]) -> dict[int, int]:
+    def _overflow_room(self, states: list[BreakerState], held: Mapping[Pool, int]) -> dict[Pool, int]:
         room = {}
         for d in self.limits.overflow_deployments:
             state = states[d] if d < len(states) else BreakerState.closed
             if state is BreakerState.closed:
-                room[d] = self.limits.overflow_limit
-            elif not held.get(d):  # one line to wait for the probe with
-                room[d] = min(1, self.limits.overflow_limit)
+                room[Pool(d)] = self.limits.overflow_limit
+            elif not held.get(Pool(d)):  # one line to wait for the probe with
+                room[Pool(d)] = min(1, self.limits.overflow_limit)
         return room
 
     async def _round(
-        self, want: int, holder: str, plan: Plan, limits: dict[int, int], *, overflow: bool = False
-    ) -> list[tuple[ClaimedRequest, str, int]]:
+        self, want: int, holder: str, plan: Plan, limits: dict[Pool, int], *, overflow: bool = False
+    ) -> list[tuple[ClaimedRequest, str, Pool]]:
         if not limits:
             return []
         leases = await asyncio.to_thread(self._acquire, want, limits)
@@ -357,17 +394,17 @@ class EscalatedRelease:
             await self._release(leases)
             raise
         await self._release(leases[len(claimed) :])
-        return [(request, lease, d) for request, (lease, d) in zip(claimed, leases, strict=False)]
+        return [(request, lease, p) for request, (lease, p) in zip(claimed, leases, strict=False)]
 
-    def _acquire(self, want: int, limits: dict[int, int]) -> list[tuple[str, int]]:
-        out: list[tuple[str, int]] = []
-        for d, limit in limits.items():
+    def _acquire(self, want: int, limits: dict[Pool, int]) -> list[tuple[str, Pool]]:
+        out: list[tuple[str, Pool]] = []
+        for p, limit in limits.items():
             if len(out) >= want:
                 break
-            ids = self.leases.acquire(pool_of(d), limit=limit, n=want - len(out), ttl_s=self.admission.ttl_s)
-            out += [(lease, d) for lease in ids]
+            ids = self.leases.acquire(pool_of(p), limit=limit, n=want - len(out), ttl_s=self.admission.ttl_s)
+            out += [(lease, p) for lease in ids]
         return out
 
-    async def _release(self, leases: list[tuple[str, int]]) -> None:
-        for lease, d in leases:
-            await self.admission.release([lease], d)
+    async def _release(self, leases: list[tuple[str, Pool]]) -> None:
+        for lease, p in leases:
+            await self.admission.release([lease], p)
