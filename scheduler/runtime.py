@@ -262,8 +262,10 @@ async def run_drain(s: Settings, *, shutdown: threading.Event, on_all_recorded: 
             leases=leases,
             admission=admission,
             # The KV the controller's model leaves to batch work: prefix groups and agent
-            # sessions start only while what is in flight fits it (jobs.execution.claims).
+            # sessions start only while what is in flight fits it (jobs.execution.claims); a
+            # model's claims read its own pools' budget where its controller publishes one.
             kv_budget_tokens=await asyncio.to_thread(admission.kv_budget_tokens),
+            kv_by_model=True,
             fleet=fleet,
             planner=planner,
             escalation=make_escalation(planner, leases),

@@ -51,6 +51,7 @@ def claim_requests(
     now: datetime | None = None,
     kv_budget_tokens: int | None = None,
     answered: Collection[tuple[str, int]] = frozenset(),
+    kv_models: Collection[str] | None = None,
 ) -> list[ClaimedRequest]:
     """Move up to `limit` pending lines of one batch to running under `claim_token`.
 
@@ -67,8 +68,9 @@ def claim_requests(
     each agent session once at its largest context however many of its turns are in flight or
     between two turns); lines sharing nothing are not held back. Lines still running whose
     answers are in (`answered`, (batch, line): the claiming drain's replies not yet recorded) hold
-    no KV any more: they count as served, not in flight. The batches and how many lines each get
-    are the planner's choice, made before.
+    no KV any more: they count as served, not in flight. `kv_models`: the models whose lines in
+    flight hold that budget (a model's own workers' budget: that model's; None: every model's).
+    The batches and how many lines each get are the planner's choice, made before.
     """
     now = now or utcnow()
     # FOR KEY SHARE: claims do not wait on each other or on recorded results, but an expiry
@@ -80,7 +82,9 @@ def claim_requests(
     # Look no further than this many pending lines into the tree: a claim costs the same in a
     # batch of a million lines, and what lies beyond cannot be due before what lies within.
     bound = session.execute(_bound_statement(), {"batch_id": batch_id}).scalar_one_or_none()
-    footprint = _InFlight.load(session, team_id=batch.team_id, model=batch.model, now=now, answered=answered)
+    footprint = _InFlight.load(
+        session, team_id=batch.team_id, model=batch.model, now=now, answered=answered, kv_models=kv_models
+    )
     ready = {
         "batch_id": batch_id,
         "now": now,
@@ -367,8 +371,11 @@ class _InFlight:
         model: str | None,
         now: datetime,
         answered: Collection[tuple[str, int]] = frozenset(),
+        kv_models: Collection[str] | None = None,
     ) -> _InFlight:
         rows = session.execute(_running_statement()).all()
+        if kv_models is not None:  # other models' lines run on workers of their own: not this budget's
+            rows = [row for row in rows if row.model in kv_models]
         running = {(batch_id, line) for batch_id, line, *_ in rows} - set(answered)
         prefixes: dict[str, int] = {}
         hot: dict[str, None] = {}

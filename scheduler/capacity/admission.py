@@ -55,6 +55,16 @@ def pool_of(deployment: int | Pool, model: str | None = None) -> str:
 
 
 @dataclass(frozen=True)
+class KvBudget:
+    """KV cache tokens the decoders leave to batch work, and the models whose lines in flight
+    hold it (None: every model's): a model's own controller's budget is held by that model's
+    lines only, on workers of its own."""
+
+    tokens: int
+    models: frozenset[str] | None
+
+
+@dataclass(frozen=True)
 class Observation:
     """What one batch request saw: fed to the capacity controller."""
 
@@ -161,11 +171,42 @@ class Admission:
     def kv_budget_tokens(self) -> int | None:
         """KV cache tokens the fleet's decoders leave to batch work, summed over the deployments
         whose controller published one (None: none did, so the claims size nothing by KV)."""
+        budget = self.kv_budget([Pool(d) for d in range(self.deployments)])
+        return budget.tokens if budget is not None else None
+
+    def kv_budget(
+        self, pools: list[Pool], served: Callable[[int], frozenset[str] | None] | None = None
+    ) -> KvBudget | None:
+        """The KV budget of the lines of `pools` (a model's pools: `FleetRoutes.pools`): summed
+        over them, a model's own pool's where its model's controller published one, else its
+        deployment's (each deployment once). `served(d)`: the models deployment d serves, so the
+        budget says whose lines in flight hold it (None: none published)."""
         if not self.controlled:
             return None
-        values = [self.leases.read(kv_key(pool_of(d))) for d in range(self.deployments)]
-        budgets = [int(v) for v in values if v is not None and v.isdigit()]
-        return sum(budgets) if budgets else None
+        tokens = 0
+        published = False
+        models: set[str] | None = set()
+        counted: set[int] = set()
+        for p in pools:
+            own = self.leases.read(kv_key(pool_of(p))) if p.model is not None else None
+            if own is not None and own.isdigit():
+                tokens, published = tokens + int(own), True
+                if models is not None:
+                    models.add(str(p.model))
+                continue
+            if p.deployment in counted:
+                continue
+            counted.add(p.deployment)
+            value = self.leases.read(kv_key(pool_of(p.deployment)))
+            if value is None or not value.isdigit():
+                continue
+            tokens, published = tokens + int(value), True
+            # The deployment's budget is shared by every model it serves (unknown: any model's lines).
+            on_it = served(p.deployment) if served is not None else None
+            models = None if models is None or on_it is None else models | on_it
+        if not published:
+            return None
+        return KvBudget(tokens, frozenset(models) if models is not None else None)
 
     def batch_rate(self) -> float | None:
         """Batch tokens/s (prompt + output) across the fleet, as the controller last measured it;

@@ -25,9 +25,11 @@ def claim_lines(
     holder: str,
     kv_budget_tokens: int | None,
     answered: Collection[tuple[str, int]] = frozenset(),
+    kv_models: Collection[str] | None = None,
 ) -> list[ClaimedRequest]:
     """Claim up to `n` lines for `holder`, batch by batch in the planner's order. `answered`: the
-    holder's lines whose replies are in but not yet recorded (they hold no KV any more)."""
+    holder's lines whose replies are in but not yet recorded (they hold no KV any more);
+    `kv_models`: the models whose lines in flight hold the KV budget (None: every model's)."""
     # The plan may list more than n (a tail in priority order): a batch whose lines are all
     # running or backing off yields fewer than planned, and the next one fills in.
     out: list[ClaimedRequest] = []
@@ -43,6 +45,7 @@ def claim_lines(
                 claim_token=holder,
                 kv_budget_tokens=kv_budget_tokens,
                 answered=answered,
+                kv_models=kv_models,
             )
     return out
 

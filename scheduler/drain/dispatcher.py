@@ -35,7 +35,7 @@ from redis.exceptions import RedisError
 
 from backfill.jobs.errors import error_bytes
 from backfill.jobs.execution.claims import ClaimedRequest
-from backfill.scheduler.capacity.admission import Admission, LeaseReturns, Observation, pool_of
+from backfill.scheduler.capacity.admission import Admission, KvBudget, LeaseReturns, Observation, pool_of
 from backfill.scheduler.drain.claiming import BodyReader, claim_lines
 from backfill.scheduler.drain.escalation import EscalatedRelease, overflow_request_id
 from backfill.scheduler.drain.recorder import Answer, Done, Recorder
@@ -77,6 +77,7 @@ class Dispatcher:
         grace_s: float = 20.0,
         db_patience_s: float = 120.0,
         kv_budget_tokens: int | None = None,
+        kv_by_model: bool = False,
         expand_n: bool | None = None,
         escalation: EscalatedRelease | None = None,
         routes: FleetRoutes | None = None,
@@ -94,6 +95,10 @@ class Dispatcher:
         # Prefix-aware release (jobs.execution.claims): the fleet's KV tokens open to batch work, and
         # whether n > 1 goes as n requests (True), whole (False) or whole and completed (None).
         self.kv_budget_tokens = kv_budget_tokens
+        # With `kv_by_model`, a model's claims read its own pools' budget (`Admission.kv_budget`),
+        # once per drain as the fleet's: a model's controller's where it publishes one.
+        self.kv_by_model = kv_by_model
+        self._kv_budgets: dict[frozenset[str], KvBudget | None] = {}
         self.expand_n = expand_n
         self.escalation = escalation  # escalated lines: beyond the limit, or to overflow
         # Which deployments serve which model (None: every one serves all), and the models with
@@ -309,13 +314,29 @@ class Dispatcher:
         spare: list[tuple[str, Pool]] = []
         for models, group in groups.items():
             planner = self.planner if models is None else functools.partial(self.planner, models=models)
+            budget = self._kv_budget(models)
             got = claim_lines(
-                planner, len(group), holder=self.holder, kv_budget_tokens=self.kv_budget_tokens, answered=answered
+                planner,
+                len(group),
+                holder=self.holder,
+                kv_budget_tokens=budget.tokens if budget is not None else None,
+                answered=answered,
+                kv_models=budget.models if budget is not None else None,
             )
             claimed += got
             used += group[: len(got)]
             spare += group[len(got) :]
         return claimed, used, spare
+
+    def _kv_budget(self, models: frozenset[str] | None) -> KvBudget | None:
+        """The KV budget the claims of `models`' lines size prefix groups by: their pools' own
+        (`kv_by_model`), else the fleet's, which every model's lines in flight hold."""
+        if not self.kv_by_model or models is None:
+            return KvBudget(self.kv_budget_tokens, None) if self.kv_budget_tokens is not None else None
+        if models not in self._kv_budgets:
+            pools = self.routes.pools(range(self.admission.deployments), set(models))
+            self._kv_budgets[models] = self.admission.kv_budget(pools, self.routes.models_of)
+        return self._kv_budgets[models]
 
     async def _launch(
         self, claimed: list[ClaimedRequest], leases: list[tuple[str, Pool]], *, escalated: bool = False
