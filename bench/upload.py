@@ -5,7 +5,9 @@ A generated JSONL batch file (2 GB by default) goes through `client.uploads.uplo
 adapters (Postgres, Redis, SeaweedFS over S3, a mocker fleet); a batch is then created from the
 uploaded file and timed until its validation ends (the batch is cancelled then: running its lines
 is another benchmark's subject). The API process and its children are sampled for RSS: a part
-streams into the store, so the API never holds a part, let alone the file, in memory.
+streams into the store, so the API never holds a part, let alone the file, in memory. The Celery
+worker and its children are sampled from the batch's creation to its validation's end: validation
+streams the file, so the process validating it never holds the file either.
 
     .venv/bin/python -m bench.upload                 # 2048 MB, 50,000 lines
     .venv/bin/python -m bench.upload --mb 256        # a smaller file where disk or time is short
@@ -95,6 +97,9 @@ def main() -> None:
             upload_s = time.perf_counter() - start
             assert upload.status == "completed" and upload.file is not None and upload.file.bytes == size, upload
 
+            worker = ProcessSampler({"worker": stack.procs["worker"].pid})
+            worker.sample()
+            worker.start()
             start = time.perf_counter()
             batch = client.batches.create(
                 input_file_id=upload.file.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -107,6 +112,7 @@ def main() -> None:
                     row = conn.execute("SELECT status FROM batches WHERE id = %s", (raw_id,)).fetchone()
                     status = str(row[0]) if row else status
             validate_s = time.perf_counter() - start
+            worker.stop()
             api.stop()
             batch = client.batches.retrieve(batch.id)
             if status == "failed":
@@ -115,16 +121,24 @@ def main() -> None:
             total = batch.request_counts.total if batch.request_counts else 0
 
     peak = max(api.peak_rss.values()) / MB
+    worker_peak = max(worker.peak_rss.values()) / MB  # the largest of the worker's processes
+    load = max(api.loads)
     print(f"\n{'phase':<12}{'seconds':>10}{'MB/s':>10}")
     print(f"{'upload':<12}{upload_s:>10.1f}{size / MB / upload_s:>10.1f}")
     print(f"{'validation':<12}{validate_s:>10.1f}{size / MB / validate_s:>10.1f}")
     print(f"\nbatch: {total} lines valid; API peak RSS {peak:.0f} MB (limit {RSS_LIMIT_MB} MB)")
     print(
-        f"upload: file_mb={size / MB:.0f} upload_mb_s={size / MB / upload_s:.1f} "
-        f"validate_mb_s={size / MB / validate_s:.1f} api_peak_rss_mb={peak:.0f}"
+        f"validating worker: peak RSS {worker_peak:.0f} MB (limit {RSS_LIMIT_MB} MB), the largest of its "
+        f"{len(worker.peak_rss)} processes"
     )
-    if peak > RSS_LIMIT_MB:
-        raise SystemExit(f"the API's peak RSS {peak:.0f} MB is over {RSS_LIMIT_MB} MB")
+    print(f"load average (1 min): {api.loads[0]:.1f} at the start, {load:.1f} at most")
+    print(
+        f"upload: file_mb={size / MB:.0f} upload_mb_s={size / MB / upload_s:.1f} "
+        f"validate_mb_s={size / MB / validate_s:.1f} api_peak_rss_mb={peak:.0f} worker_peak_rss_mb={worker_peak:.0f}"
+    )
+    for who, mb in (("API", peak), ("validating worker", worker_peak)):
+        if mb > RSS_LIMIT_MB:
+            raise SystemExit(f"the {who}'s peak RSS {mb:.0f} MB is over {RSS_LIMIT_MB} MB")
 
 
 if __name__ == "__main__":
