@@ -45,6 +45,7 @@ from sqlalchemy.orm import Session
 
 from backfill.api.wire import batch_id_out
 from backfill.jobs.models import TERMINAL_STATUSES, Batch, BatchStatus, Team, utcnow
+from backfill.worker_watchdog import leave
 
 COMPONENTS = ("worker", "scheduler", "api")
 STOP_GRACE_S = 30.0  # longer than a drain's shutdown grace (BACKFILL_DRAIN_GRACE_S, 20 s)
@@ -376,12 +377,7 @@ def run_up(*, port: int, fleet_workers: int, speedup: float) -> None:
         _run_up(port=port, fleet_workers=fleet_workers, speedup=speedup)
     except typer.Exit as exit_:
         code = exit_.exit_code
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    leave(code)
 
 
 def _run_up(*, port: int, fleet_workers: int, speedup: float) -> None:

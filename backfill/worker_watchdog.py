@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable
 
 import psutil
-from celery.signals import worker_shutting_down
 
 log = logging.getLogger(__name__)
 EXIT_MARGIN_S = 5.0  # after the drains' grace: their give-back and the pool's own exit
@@ -117,6 +116,9 @@ class Watchdog:
 
 
 def install(grace_s: float) -> Watchdog:
+    # Imported here, not with the module: `backfill up` leaves through `leave` and never loads Celery.
+    from celery.signals import worker_shutting_down
+
     watchdog = Watchdog(grace_s + EXIT_MARGIN_S)
     worker_shutting_down.connect(watchdog.arm, weak=False)
     worker_shutting_down.connect(IdleExit().arm, weak=False)
