@@ -14,6 +14,7 @@ import asyncio
 import io
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -69,6 +70,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--max-tokens", type=token_range, default=(16, 16), help="a count or a range: 50-500")
+    ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of both paths")
     ap.add_argument("--fleet-workers", type=int, default=2)
     ap.add_argument("--speedup", type=float, default=10.0, help="mocker speedup ratio (simulated time per wall second)")
     args = ap.parse_args()
@@ -99,11 +101,25 @@ def main() -> None:
         # Warm both paths (connections, the fleet's first requests) before timing.
         asyncio.run(direct(stack.fleet_url, lines[:200], args.concurrency))
         through_backfill(stack.base_url, stack.key, lines[:200])
+        # Rounds alternate which path goes first (direct, backfill; backfill, direct; ...), so a
+        # change in the machine's load over the run weighs on both alike.
+        direct_times: list[float] = []
+        backfill_times: list[float] = []
+        for i in range(args.rounds):
+            for path in ("direct", "backfill") if i % 2 == 0 else ("backfill", "direct"):
+                if path == "direct":
+                    direct_times.append(asyncio.run(direct(stack.fleet_url, lines, args.concurrency)))
+                else:
+                    seconds, n_out = through_backfill(stack.base_url, stack.key, lines)
+                    assert n_out == args.requests, (n_out, args.requests)
+                    backfill_times.append(seconds)
+                print(
+                    f"  round {i + 1} {path}: {(direct_times if path == 'direct' else backfill_times)[-1]:.1f} s",
+                    flush=True,
+                )
 
-        direct_s = asyncio.run(direct(stack.fleet_url, lines, args.concurrency))
-        backfill_s, n_out = through_backfill(stack.base_url, stack.key, lines)
-
-    assert n_out == args.requests, (n_out, args.requests)
+    direct_s, backfill_s = statistics.median(direct_times), statistics.median(backfill_times)
+    ratios = [d / b for d, b in zip(direct_times, backfill_times, strict=True)]
     d_rps, b_rps = args.requests / direct_s, args.requests / backfill_s
     print(
         f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}: "
@@ -112,7 +128,10 @@ def main() -> None:
     print(f"{'path':<28}{'seconds':>10}{'req/s':>10}")
     print(f"{'direct asyncio client':<28}{direct_s:>10.1f}{d_rps:>10.1f}")
     print(f"{'backfill (upload->output)':<28}{backfill_s:>10.1f}{b_rps:>10.1f}")
-    print(f"e2e: backfill_rps={b_rps:.1f} direct_rps={d_rps:.1f} ratio={b_rps / d_rps:.2f}")
+    print(
+        f"e2e: backfill_rps={b_rps:.1f} direct_rps={d_rps:.1f} ratio={b_rps / d_rps:.2f} "
+        f"(per round: {', '.join(f'{r:.2f}' for r in ratios)}; medians of {args.rounds} rounds)"
+    )
 
 
 if __name__ == "__main__":
