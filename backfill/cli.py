@@ -76,7 +76,7 @@ def worker(
 ) -> None:
     """Run a Celery worker: validation, drains onto the fleet, finalization."""
     import backfill.scheduler.tasks  # noqa: F401  (registers the task bodies on the broker's app)
-    from backfill.storage.broker import QueueName, celery_app
+    from backfill.storage.broker import QueueName, get_celery_app
     from backfill.storage.objects import preload_s3_client
     from backfill.storage.settings import get_settings
     from backfill.worker_watchdog import install, kill_children, leave
@@ -96,7 +96,7 @@ def worker(
     gc.freeze()
     code = 1
     try:
-        celery_app.worker_main(
+        get_celery_app().worker_main(
             [
                 "worker",
                 "--loglevel=INFO",

@@ -8,6 +8,7 @@ Redis in production, kombu's filesystem transport (no server) when embedded.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import os
 import uuid
@@ -112,10 +113,23 @@ def make_celery() -> Celery:
     return app
 
 
-celery_app = make_celery()
+@functools.cache
+def get_celery_app() -> Celery:
+    """The process's Celery app, built on first use from the settings of that moment and dropped
+    with the rest of the process's adapters (`storage.process_state.reset`)."""
+    return make_celery()
+
+
+def __getattr__(name: str) -> Celery:
+    """`celery_app`, the name the task bodies register on (`scheduler.tasks`), is the process's
+    app (`get_celery_app`), built when first read rather than when this module is imported. The
+    task bodies are shared tasks (Celery's default): an app built after a reset registers them too."""
+    if name == "celery_app":
+        return get_celery_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def send_task(name: TaskName, *args: str) -> None:
     """Enqueue a task by name on its queue. Raises if the broker cannot be reached: callers
     that can rely on the scheduler loop's re-nudge catch and log it."""
-    celery_app.send_task(name.value, args=list(args), queue=QUEUE_OF[name].value)
+    get_celery_app().send_task(name.value, args=list(args), queue=QUEUE_OF[name].value)

@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from celery import Celery
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from backfill.storage import broker
 from backfill.storage.process_state import reset as reset_process_state
 from tests.api.own_openapi import check_response
 
@@ -47,19 +49,21 @@ def api_env(scratch_pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPa
         mp.setenv("BACKFILL_BOOTSTRAP_API_KEY", "")
         mp.setenv("BACKFILL_COMPLETION_WINDOWS", "24h,1h")
         mp.setenv("BACKFILL_RATE_LIMIT", "off")  # its own tests: tests/api/test_ratelimit.py
-        reset_process_state()
-        import backfill.storage.broker
+        # Every Celery app the process builds while these tests run (one after each reset of the
+        # process's state) keeps its queues under a key prefix of its own, so no worker sharing
+        # this Redis database takes the messages these tests look for.
+        make_celery = broker.make_celery
 
-        # The broker's app is built when `backfill.storage.broker` is first imported, from the settings of
-        # that moment: build it again for this environment, with a key prefix of its own so no
-        # worker sharing this Redis database takes the messages these tests look for.
-        celery_app = backfill.storage.broker.make_celery()
-        celery_app.conf.broker_transport_options = {"visibility_timeout": 3600, "global_keyprefix": env.broker_prefix}
-        mp.setattr(backfill.storage.broker, "celery_app", celery_app)
+        def make_prefixed_celery() -> Celery:
+            app = make_celery()
+            app.conf.broker_transport_options = {"visibility_timeout": 3600, "global_keyprefix": env.broker_prefix}
+            return app
+
+        mp.setattr(broker, "make_celery", make_prefixed_celery)
+        reset_process_state()
         try:
             yield env
         finally:
-            celery_app.close()
             reset_process_state()
 
 

@@ -16,6 +16,7 @@ from backfill.storage.db import unit_of_work
 from tests.api.conftest import ApiEnv, CheckedClient, Team
 from tests.api.test_files import upload
 from tests.contract.spec import validate
+from tests.process_env import process_env
 
 BATCH_KEYS = [
     "id", "object", "endpoint", "model", "errors", "input_file_id", "completion_window", "status",
@@ -150,15 +151,11 @@ def test_bad_batch_requests_name_their_param(api: CheckedClient, team: Team) -> 
 
 
 def test_a_broker_outage_does_not_fail_the_create(
-    api: CheckedClient, team: Team, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    api: CheckedClient, team: Team, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The broker only nudges: the batch is committed and answered; the scheduler nudges it later."""
-    import backfill.storage.broker
-
-    down = backfill.storage.broker.make_celery()
-    down.conf.broker_url = "redis://127.0.0.1:1/0"  # nothing listens on port 1
-    monkeypatch.setattr(backfill.storage.broker, "celery_app", down)
-    b = create(api, team)
-    assert b["status"] == "validating"
-    assert api.get(f"/v1/batches/{b['id']}", headers=team.headers).status_code == 200
+    with process_env({"BACKFILL_BROKER_URL": "redis://127.0.0.1:1/0"}):  # nothing listens on port 1
+        b = create(api, team)
+        assert b["status"] == "validating"
+        assert api.get(f"/v1/batches/{b['id']}", headers=team.headers).status_code == 200
     assert any("could not enqueue validation" in r.getMessage() for r in caplog.records)

@@ -414,8 +414,9 @@ def test_celery_queues_are_redis_lists_of_their_names() -> None:
     without a priority, as backfill sends them) in a list named after the queue."""
     from kombu.transport.redis import Channel
 
-    from backfill.storage.broker import celery_app
+    from backfill.storage.broker import get_celery_app
 
+    celery_app = get_celery_app()
     assert celery_app.conf.task_default_priority is None
     assert "global_keyprefix" not in (celery_app.conf.broker_transport_options or {})
     channel = Channel.__new__(Channel)
