@@ -1,5 +1,6 @@
-"""Rows the domain tests start from, built the way validation leaves them: a team, and a batch of
-a team with its request lines, at the price version in force."""
+"""Rows the domain tests start from: a team; a batch as its create call leaves it, before
+validation; and a batch with its request lines the way validation leaves them; each batch at the
+price version in force."""
 
 from __future__ import annotations
 
@@ -13,12 +14,46 @@ from sqlalchemy.orm import Session
 from backfill.jobs.billing.ledger import current_price_version
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, RequestState, Team, utcnow
 
+CHAT = "/v1/chat/completions"
+
 
 def make_team(session: Session, name: str | None = None) -> Team:
     team = Team(name=name or f"t-{secrets.token_hex(4)}")
     session.add(team)
     session.flush()
     return team
+
+
+def make_submitted_batch(
+    session: Session,
+    team: Team | str,
+    *,
+    status: BatchStatus = BatchStatus.validating,
+    input_file_id: str = "f",
+    age_s: float = 0.0,
+    expires_in_s: float = 24 * 3600,
+    **columns: Any,
+) -> Batch:
+    """A chat batch as its create call leaves it, before validation: no model, no lines, at the
+    price version in force; created `age_s` ago and expiring in `expires_in_s`. `status` and
+    `columns` for the tests that need a later status only."""
+    now = utcnow()
+    batch = Batch(
+        **{
+            "team_id": team if isinstance(team, str) else team.id,
+            "input_file_id": input_file_id,
+            "endpoint": CHAT,
+            "completion_window": "24h",
+            "status": status,
+            "created_at": now - timedelta(seconds=age_s),
+            "expires_at": now + timedelta(seconds=expires_in_s),
+            "price_version": current_price_version(session),
+            **columns,
+        }
+    )
+    session.add(batch)
+    session.flush()
+    return batch
 
 
 def make_batch(
@@ -34,24 +69,20 @@ def make_batch(
     line_state: RequestState = RequestState.pending,
     claim_token: str | None = None,
     attempts: int = 0,
+    **columns: Any,
 ) -> Batch:
     """A chat batch of `lines` request lines (custom ids r1..rN), created `age_s` ago and expiring
-    in `expires_in_s`; its lines in `line_state`, held by `claim_token` if given."""
-    now = utcnow()
-    batch = Batch(
-        team_id=team if isinstance(team, str) else team.id,
-        input_file_id=input_file_id,
-        endpoint="/v1/chat/completions",
-        model=model,
-        completion_window="24h",
+    in `expires_in_s`; its lines in `line_state`, held by `claim_token` if given. `columns` set
+    more of the batch's columns (a test that writes its own lines passes `lines=0` and `total`)."""
+    batch = make_submitted_batch(
+        session,
+        team,
         status=status,
-        created_at=now - timedelta(seconds=age_s),
-        expires_at=now + timedelta(seconds=expires_in_s),
-        total=lines,
-        price_version=current_price_version(session),
+        input_file_id=input_file_id,
+        age_s=age_s,
+        expires_in_s=expires_in_s,
+        **{"model": model, "total": lines, **columns},
     )
-    session.add(batch)
-    session.flush()
     for line in range(1, lines + 1):
         session.add(
             BatchRequest(

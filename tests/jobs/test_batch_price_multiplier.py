@@ -18,9 +18,10 @@ from backfill.jobs.billing.models import UsageLedgerEntry
 from backfill.jobs.execution.claims import claim_requests
 from backfill.jobs.execution.replies import Outcome, Usage
 from backfill.jobs.execution.results import record_outcome
-from backfill.jobs.models import Batch, BatchRequest, BatchStatus, File, Team
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, File
 from backfill.storage.process_state import reset as reset_process_state
 from backfill.storage.settings import get_settings
+from tests.factories import make_team
 
 WINDOWS = {"24h": 86400, "7d": 7 * 86400}
 USAGE = Usage(1000, 0, 100, 0)  # 1000 input at $1/M + 100 output at $4/M, half off: 700 micros at 1x
@@ -40,9 +41,7 @@ def set_multipliers(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str],
 
 
 def _batch(s: Session, window: str, lines: int) -> str:
-    team = Team(name="t")
-    s.add(team)
-    s.flush()
+    team = make_team(s, "t")
     source = File(team_id=team.id, purpose="batch", filename="in.jsonl", bytes=1, object_key="k")
     s.add(source)
     s.flush()

@@ -14,24 +14,17 @@ from backfill.jobs.billing.models import UsageLedgerEntry
 from backfill.jobs.execution.claims import claim_requests
 from backfill.jobs.execution.replies import Outcome, Usage
 from backfill.jobs.execution.results import record_outcome
-from backfill.jobs.models import Batch, BatchStatus, Team, utcnow
-from tests.factories import make_batch
+from backfill.jobs.models import Batch, BatchStatus, utcnow
+from tests.factories import make_batch, make_team
 
 
 def _ok(prompt: int, cached: int, completion: int) -> Outcome:
     return Outcome(200, b"{}", "req", Usage(prompt, cached, completion, 0))
 
 
-def _team(s: Session, name: str) -> Team:
-    team = Team(name=name)
-    s.add(team)
-    s.flush()
-    return team
-
-
 def test_cost_so_far_is_the_ledger_at_the_batch_price(db: sessionmaker[Session]) -> None:
     with db.begin() as s:
-        team = _team(s, "t")
+        team = make_team(s, "t")
         price = set_price(s, model="m", input_micros=150_000, cached_input_micros=75_000, output_micros=600_000)
         batch_id = make_batch(s, team, lines=3).id
         unpriced_id = make_batch(s, team, lines=1, model="free").id
@@ -77,7 +70,7 @@ def test_price_now_is_what_a_batch_created_now_is_billed_at(db: sessionmaker[Ses
         assert now_1h is not None and now_1h.id == hour.id  # a window's own price wins
         assert price_now(s, model="unpriced", completion_window="24h") is None
         # The same row the ledger will bill a batch created now at.
-        team = _team(s, "p")
+        team = make_team(s, "p")
         batch = make_batch(s, team, lines=1)
         assert cost_so_far(s, batch).price == now_24h
 
@@ -85,7 +78,7 @@ def test_price_now_is_what_a_batch_created_now_is_billed_at(db: sessionmaker[Ses
 def test_throughput_is_the_recent_ledger_and_the_queue_of_running_batches(db: sessionmaker[Session]) -> None:
     now = utcnow()
     with db.begin() as s:
-        a, b = _team(s, "a"), _team(s, "b")
+        a, b = make_team(s, "a"), make_team(s, "b")
         running = make_batch(s, a, lines=4)
         other_model = make_batch(s, b, lines=2, model="n")
         done = make_batch(s, b, lines=3)

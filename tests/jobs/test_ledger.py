@@ -17,10 +17,10 @@ from backfill.jobs.billing.usage import align, usage_totals
 from backfill.jobs.execution.claims import claim_requests, release_for_retry
 from backfill.jobs.execution.replies import Outcome, Usage
 from backfill.jobs.execution.results import record_outcome
-from backfill.jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, utcnow
 from backfill.jobs.validation.outcome import apply_validation
 from backfill.jobs.validation.scan import ValidationResult
-from tests.factories import make_batch
+from tests.factories import make_batch, make_team
 
 PG_ADMIN_URL = os.environ.get("TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 
@@ -38,9 +38,7 @@ def _ok(prompt: int, cached: int, completion: int) -> Outcome:
 
 def test_each_request_is_billed_once_at_the_price_of_its_batch(db: sessionmaker[Session]) -> None:
     with db.begin() as s:
-        team = Team(name="t")
-        s.add(team)
-        s.flush()
+        team = make_team(s, "t")
         v1 = _price(s, "m")
         batch_id = make_batch(s, team, lines=3).id
         # A new price after the batch was created does not touch it.
@@ -104,9 +102,7 @@ def test_price_in_force(db: sessionmaker[Session]) -> None:
 
 def test_quota_fails_validation_with_the_numbers(db: sessionmaker[Session]) -> None:
     with db.begin() as s:
-        team = Team(name="q")
-        s.add(team)
-        s.flush()
+        team = make_team(s, "q")
         running = make_batch(s, team, lines=1)
         running.token_estimate = 600
         make_batch(s, team, lines=1, model="other").token_estimate = 10_000  # another model: not counted
@@ -139,9 +135,7 @@ def test_quota_fails_validation_with_the_numbers(db: sessionmaker[Session]) -> N
 def test_usage_buckets(db: sessionmaker[Session]) -> None:
     day = align(utcnow(), 86400) - timedelta(days=1)
     with db.begin() as s:
-        team = Team(name="u")
-        s.add(team)
-        s.flush()
+        team = make_team(s, "u")
         batch = make_batch(s, team, lines=0)
         for line, (offset_s, model) in enumerate([(0, "m"), (3599, "m"), (3600, "m"), (7300, "x")], start=1):
             s.add(

@@ -18,6 +18,7 @@ from backfill.jobs.execution.results import record_outcomes
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, File, Team, utcnow
 from backfill.jobs.teams import create_key
 from backfill.storage.settings import get_settings
+from tests.factories import make_team
 
 WINDOWS = {"24h": 24 * 3600}
 
@@ -57,9 +58,7 @@ def _run(session: Session, batch_id: str, lines: int, usage: Usage) -> None:
 
 def test_the_ledger_records_the_creating_key_and_sums_by_it(db: sessionmaker[Session]) -> None:
     with db.begin() as s:
-        team = Team(name="keys")
-        s.add(team)
-        s.flush()
+        team = make_team(s, "keys")
         set_price(s, model="m", input_micros=2_000_000, cached_input_micros=0, output_micros=4_000_000)
         first, _ = create_key(s, team_id=team.id, name="pipeline")
         second, _ = create_key(s, team_id=team.id, name="evals")

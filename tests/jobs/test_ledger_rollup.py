@@ -20,10 +20,10 @@ from backfill.jobs.billing.usage import align, usage_totals
 from backfill.jobs.execution.claims import claim_requests
 from backfill.jobs.execution.replies import Outcome, Usage
 from backfill.jobs.execution.results import record_outcome
-from backfill.jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, utcnow
 from backfill.jobs.retention import RetentionPolicy, run_retention
 from backfill.storage.objects import LocalObjectStore
-from tests.factories import make_batch
+from tests.factories import make_batch, make_team
 
 LINES = 40
 
@@ -40,9 +40,7 @@ def _usage(s: Session, *, width_s: int) -> list[tuple[object, ...]]:
 
 def _finished_batch(db: sessionmaker[Session]) -> tuple[str, str]:
     with db.begin() as s:
-        team = Team(name="t")
-        s.add(team)
-        s.flush()
+        team = make_team(s, "t")
         set_price(s, model="m", input_micros=150_000, cached_input_micros=75_000, output_micros=600_000)
         batch = make_batch(s, team, lines=LINES)
         batch_id, team_id = batch.id, team.id
@@ -125,9 +123,7 @@ def test_a_retention_pass_retires_a_few_batches_each_in_its_own_transaction(
     """The first pass after an upgrade finds every batch ever finished: a pass retires at most
     `batches_per_pass` of them, the next pass the next ones."""
     with db.begin() as s:
-        team = Team(name="t")
-        s.add(team)
-        s.flush()
+        team = make_team(s, "t")
         for _ in range(5):
             batch = make_batch(s, team, lines=2, status=BatchStatus.completed)
             batch.completed_at, batch.output_file_id = utcnow(), "out"

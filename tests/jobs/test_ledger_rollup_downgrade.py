@@ -15,10 +15,9 @@ from sqlalchemy.orm import Session
 
 from backfill.devfleet.services import PG_ADMIN_URL, create_database, drop_database
 from backfill.jobs.billing.models import UsageLedgerEntry
-from backfill.jobs.models import Team
 from backfill.migrate import alembic_config
 from backfill.storage.db import make_engine
-from tests.factories import make_batch
+from tests.factories import make_batch, make_team
 
 
 def _migrate(engine: Engine, action: str, revision: str) -> None:
@@ -30,9 +29,7 @@ def _migrate(engine: Engine, action: str, revision: str) -> None:
 
 def _ledger_row(engine: Engine, *, line: int, requests: int) -> None:
     with Session(engine) as s, s.begin():
-        team = Team(name="t")
-        s.add(team)
-        s.flush()
+        team = make_team(s, "t")
         batch = make_batch(s, team, lines=0)
         s.add(UsageLedgerEntry(batch_id=batch.id, line=line, team_id=team.id, model="m", requests=requests))
 

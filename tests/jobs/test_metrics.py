@@ -13,8 +13,8 @@ from backfill.jobs.execution.claims import claim_requests
 from backfill.jobs.execution.replies import Outcome, Usage
 from backfill.jobs.execution.results import record_outcomes
 from backfill.jobs.metrics import batches_by_status, lines_by_state, usage_metrics
-from backfill.jobs.models import BatchStatus, Team
-from tests.factories import make_batch
+from backfill.jobs.models import BatchStatus
+from tests.factories import make_batch, make_team
 
 
 def _counted(team: str) -> tuple[float, float, float, float]:
@@ -29,9 +29,7 @@ def test_tokens_and_cost_are_counted_once_the_ledger_commits(db: sessionmaker[Se
     name = f"metrics-{secrets.token_hex(4)}"
     ok = Outcome(200, b"{}", "req", Usage(1000, 200, 500, 0))
     with db.begin() as s:
-        team = Team(name=name)
-        s.add(team)
-        s.flush()
+        team = make_team(s, name)
         set_price(s, model="m", input_micros=1_000_000, cached_input_micros=500_000, output_micros=2_000_000)
         batch_id = make_batch(s, team, lines=2).id
         claim_requests(s, batch_id=batch_id, limit=2, claim_token="c")
@@ -55,9 +53,7 @@ def test_batches_by_status_and_lines_by_state(db: sessionmaker[Session]) -> None
     ok = Outcome(200, b"{}", "req", Usage(1, 0, 1, 0))
     refused = Outcome(400, b"{}", None, Usage())
     with db.begin() as s:
-        team = Team(name=f"lines-{secrets.token_hex(4)}")
-        s.add(team)
-        s.flush()
+        team = make_team(s)
         running = make_batch(s, team, lines=10).id
         make_batch(s, team, lines=4, status=BatchStatus.completed)  # finished: not in the line counts
         make_batch(s, team, lines=0, status=BatchStatus.validating)

@@ -4,7 +4,6 @@ bytes when redone, one set of File rows, and no row lock held while the files ar
 from __future__ import annotations
 
 import random
-import secrets
 import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,13 +19,13 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from backfill.jobs.batches import cancel_batch
 from backfill.jobs.errors import Conflict
-from backfill.jobs.models import Batch, BatchRequest, BatchStatus, File, RequestState, Team, utcnow
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, File, RequestState, utcnow
 from backfill.jobs.output import finalize as output
 from backfill.jobs.output import format as output_format
 from backfill.jobs.output import pages as output_pages
 from backfill.jobs.output.finalize import derived_file_id, finalize_batch, output_key
 from backfill.storage.objects import LocalObjectStore
-from tests.factories import formatter_rows
+from tests.factories import formatter_rows, make_batch, make_team
 
 # line -> state; answered lines (succeeded, failed) carry the fleet's reply.
 LINES = {
@@ -56,24 +55,9 @@ def answered_line(batch_id: str, line: int, *, failed: bool, body: object, **col
 
 
 def _batch(session: Session, *, status: BatchStatus, states: dict[int, RequestState]) -> Batch:
-    team = Team(name=f"t-{secrets.token_hex(4)}")
-    session.add(team)
-    session.flush()
-    now = utcnow()
-    batch = Batch(
-        team_id=team.id,
-        input_file_id="f",
-        endpoint="/v1/chat/completions",
-        model="m",
-        completion_window="24h",
-        status=status,
-        created_at=now,
-        expires_at=now + timedelta(hours=24),
-        total=len(states),
-        output_expires_after_s=3600,
+    batch = make_batch(
+        session, make_team(session), lines=0, status=status, total=len(states), output_expires_after_s=3600
     )
-    session.add(batch)
-    session.flush()
     for line, state in states.items():
         if state in (RequestState.succeeded, RequestState.failed):
             ok = state == RequestState.succeeded

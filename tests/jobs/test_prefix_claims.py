@@ -4,7 +4,6 @@ another, the KV budget, and prefixes a team's other batch has in flight first.""
 from __future__ import annotations
 
 import json
-import secrets
 from datetime import timedelta
 from typing import Any
 
@@ -14,10 +13,11 @@ from backfill.jobs.execution.claims import claim_requests
 from backfill.jobs.execution.prefixes import TextBlocks
 from backfill.jobs.execution.replies import Outcome, Usage
 from backfill.jobs.execution.results import record_outcomes
-from backfill.jobs.models import Batch, BatchStatus, Team, utcnow
+from backfill.jobs.models import BatchStatus, utcnow
 from backfill.jobs.validation.lines import prompt_text
 from backfill.jobs.validation.outcome import apply_validation
 from backfill.jobs.validation.scan import Limits, validate_lines
+from tests.factories import make_submitted_batch, make_team
 
 CHAT = "/v1/chat/completions"
 LIMITS = Limits(max_requests=1000, max_line_bytes=1 << 20, max_errors=10)
@@ -33,10 +33,7 @@ def chat(*messages: tuple[str, str]) -> dict[str, Any]:
 
 def new_team(db: sessionmaker[Session]) -> str:
     with db.begin() as s:
-        team = Team(name=f"prefix-{secrets.token_hex(8)}")
-        s.add(team)
-        s.flush()
-        return team.id
+        return make_team(s).id
 
 
 def new_batch(db: sessionmaker[Session], bodies: list[dict[str, Any]], team_id: str | None = None) -> str:
@@ -49,18 +46,7 @@ def new_batch(db: sessionmaker[Session], bodies: list[dict[str, Any]], team_id: 
     result = validate_lines([data], endpoint=CHAT, served_models=None, limits=LIMITS)
     assert result.errors == []
     with db.begin() as s:
-        now = utcnow()
-        batch = Batch(
-            team_id=team_id,
-            input_file_id="f",
-            endpoint=CHAT,
-            completion_window="24h",
-            status=BatchStatus.validating,
-            created_at=now,
-            expires_at=now + timedelta(hours=24),
-        )
-        s.add(batch)
-        s.flush()
+        batch = make_submitted_batch(s, team_id)
         assert apply_validation(s, batch_id=batch.id, result=result) == BatchStatus.in_progress
         return batch.id
 

@@ -17,8 +17,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from backfill.jobs import sweeps
 from backfill.jobs.execution.claims import _served_since
-from backfill.jobs.models import RUNNING_LINES, BatchRequest, RequestState, Team, utcnow
-from tests.factories import make_batch
+from backfill.jobs.models import RUNNING_LINES, BatchRequest, RequestState, utcnow
+from tests.factories import make_batch, make_team
 
 LINES = 20_000
 
@@ -52,9 +52,7 @@ def _plan(s: Session, query: Any) -> str:
 @pytest.mark.parametrize("db", ["postgresql"], indirect=True)
 def test_partial_indexes_hold_no_pending_line_and_serve_their_queries(db: sessionmaker[Session]) -> None:
     with db.begin() as s:
-        team = Team(name="plans")
-        s.add(team)
-        s.flush()
+        team = make_team(s, "plans")
         batch_id = make_batch(s, team, lines=LINES).id
         s.execute(update(BatchRequest).where(BatchRequest.batch_id == batch_id).values(prefix_hash="p"))
     with db.begin() as s:
@@ -86,9 +84,7 @@ def test_a_bound_state_parameter_would_miss_the_partial_index(db: sessionmaker[S
     """Why the literals: the same query with the state as a parameter cannot use the index
     under a generic plan (this is what the test above guards against)."""
     with db.begin() as s:
-        team = Team(name="plans-bound")
-        s.add(team)
-        s.flush()
+        team = make_team(s, "plans-bound")
         make_batch(s, team, lines=LINES)
         s.execute(text("ANALYZE batch_requests"))
     with db.begin() as s:

@@ -11,8 +11,8 @@ from backfill.jobs.billing.ledger import set_price
 from backfill.jobs.execution.claims import claim_requests
 from backfill.jobs.execution.replies import Outcome, Usage
 from backfill.jobs.execution.results import record_outcomes
-from backfill.jobs.models import Batch, BatchRequest, RequestState, Team, utcnow
-from tests.factories import make_batch
+from backfill.jobs.models import Batch, BatchRequest, RequestState
+from tests.factories import make_batch, make_team
 
 
 def test_a_group_records_each_line_its_claim_holds_once(db: sessionmaker[Session]) -> None:
@@ -20,9 +20,7 @@ def test_a_group_records_each_line_its_claim_holds_once(db: sessionmaker[Session
     other = Outcome(200, b'{"id":"b"}', "req-2", Usage(7, 0, 3, 0))
     failed = Outcome(400, b'{"error":{}}', None, Usage(10, 0, 0, 0))
     with db.begin() as s:
-        team = Team(name=f"t-{utcnow().timestamp()}")
-        s.add(team)
-        s.flush()
+        team = make_team(s)
         set_price(s, model="m", input_micros=1_000_000, cached_input_micros=0, output_micros=2_000_000)
         batch_id = make_batch(s, team, lines=4).id
         assert len(claim_requests(s, batch_id=batch_id, limit=3, claim_token="mine")) == 3

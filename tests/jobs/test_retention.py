@@ -12,6 +12,7 @@ from backfill.jobs.models import Batch, BatchRequest, BatchStatus, File, Request
 from backfill.jobs.retention import RetentionPolicy, run_retention
 from backfill.jobs.teams import get_or_create_team
 from backfill.storage.objects import LocalObjectStore
+from tests.factories import make_submitted_batch
 
 LATER = timedelta(hours=2)  # past every grace period below
 
@@ -27,18 +28,7 @@ def _file(session: Session, store: LocalObjectStore, team_id: str, **kw: object)
 
 
 def _batch(session: Session, team_id: str, input_file_id: str, status: BatchStatus, **kw: object) -> Batch:
-    batch = Batch(
-        team_id=team_id,
-        input_file_id=input_file_id,
-        endpoint="/v1/chat/completions",
-        completion_window="24h",
-        status=status,
-        expires_at=utcnow() + timedelta(hours=24),
-        **kw,
-    )
-    session.add(batch)
-    session.flush()
-    return batch
+    return make_submitted_batch(session, team_id, status=status, input_file_id=input_file_id, **kw)
 
 
 def _keys(store: LocalObjectStore) -> set[str]:

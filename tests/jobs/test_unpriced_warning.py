@@ -11,8 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from backfill.jobs.billing.ledger import record_usage
 from backfill.jobs.execution.replies import outcome_of
-from backfill.jobs.models import Team
-from tests.factories import make_batch
+from tests.factories import make_batch, make_team
 
 REPLY = b'{"id":"r","object":"chat.completion","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}'
 
@@ -20,9 +19,7 @@ REPLY = b'{"id":"r","object":"chat.completion","choices":[],"usage":{"prompt_tok
 def test_a_missing_price_is_said_once_per_model(db: sessionmaker[Session], caplog: pytest.LogCaptureFixture) -> None:
     models = [f"unpriced-{secrets.token_hex(3)}" for _ in range(2)]
     with db.begin() as s:
-        team = Team(name=f"t-{secrets.token_hex(3)}")
-        s.add(team)
-        s.flush()
+        team = make_team(s)
         batches = [make_batch(s, team, lines=400, model=m) for m in models for _ in range(2)]
     caplog.set_level(logging.WARNING, logger="backfill")
     for batch in batches:

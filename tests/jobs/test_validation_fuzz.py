@@ -5,10 +5,8 @@ Postgres columns it is stored in."""
 from __future__ import annotations
 
 import json
-import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -17,10 +15,11 @@ from hypothesis import strategies as st
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from backfill.jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus
 from backfill.jobs.validation.outcome import apply_validation
 from backfill.jobs.validation.scan import Limits, validate_lines
 from backfill.storage.db import make_engine
+from tests.factories import make_submitted_batch, make_team
 
 CHAT = "/v1/chat/completions"
 MAX_LINE_BYTES = 4096
@@ -185,10 +184,7 @@ def db(scratch_pg_url: str) -> Iterator[sessionmaker[Session]]:
 @pytest.fixture(scope="module")
 def team_id(db: sessionmaker[Session]) -> str:
     with db.begin() as s:
-        team = Team(name=f"fuzz-{secrets.token_hex(8)}")
-        s.add(team)
-        s.flush()
-        return team.id
+        return make_team(s).id
 
 
 @FUZZ_DB
@@ -198,19 +194,7 @@ def test_apply_validation_never_raises_on_postgres(
 ) -> None:
     data, _ = file
     with db.begin() as s:
-        now = utcnow()
-        batch = Batch(
-            team_id=team_id,
-            input_file_id="f",
-            endpoint=CHAT,
-            completion_window="24h",
-            status=BatchStatus.validating,
-            created_at=now,
-            expires_at=now + timedelta(hours=24),
-        )
-        s.add(batch)
-        s.flush()
-        batch_id = batch.id
+        batch_id = make_submitted_batch(s, team_id).id
     limits = Limits(max_requests=1000, max_line_bytes=MAX_LINE_BYTES, max_errors=10)
     result = validate_lines([data], endpoint=CHAT, served_models=served, limits=limits)
     with db.begin() as s:

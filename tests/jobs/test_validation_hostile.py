@@ -7,10 +7,8 @@ matter are Postgres's, not SQLite's, which stores anything."""
 from __future__ import annotations
 
 import json
-import secrets
 import tracemalloc
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 
 import orjson
@@ -19,7 +17,7 @@ from sqlalchemy import create_engine, select, text
 from sqlalchemy.exc import DataError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from backfill.jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus
 from backfill.jobs.validation.outcome import (
     apply_validation,
     fail_batch_validation,
@@ -29,6 +27,7 @@ from backfill.jobs.validation.outcome import (
 from backfill.jobs.validation.scan import Limits, ValidationResult, validate_lines
 from backfill.storage.db import make_engine
 from backfill.storage.fleet_models import FleetUnavailable
+from tests.factories import make_submitted_batch, make_team
 
 CHAT = "/v1/chat/completions"
 LIMITS = Limits(max_requests=1000, max_line_bytes=100_000, max_errors=100)
@@ -222,22 +221,7 @@ def db(scratch_pg_url: str) -> Iterator[sessionmaker[Session]]:
 
 def new_batch(db: sessionmaker[Session], status: str = BatchStatus.validating) -> str:
     with db.begin() as s:
-        team = Team(name=f"validation-{secrets.token_hex(8)}")
-        s.add(team)
-        s.flush()
-        now = utcnow()
-        batch = Batch(
-            team_id=team.id,
-            input_file_id="f",
-            endpoint=CHAT,
-            completion_window="24h",
-            status=status,
-            created_at=now,
-            expires_at=now + timedelta(hours=24),
-        )
-        s.add(batch)
-        s.flush()
-        return batch.id
+        return make_submitted_batch(s, make_team(s), status=status).id
 
 
 def apply(db: sessionmaker[Session], data: bytes) -> tuple[str, Batch]:

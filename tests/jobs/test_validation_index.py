@@ -4,9 +4,7 @@ died midway, so the next attempt starts clean."""
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 
 import orjson
@@ -14,10 +12,11 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from backfill.jobs.models import Batch, BatchRequest, BatchStatus, RequestState, Team, utcnow
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, RequestState
 from backfill.jobs.validation.outcome import apply_validation
 from backfill.jobs.validation.request_index import INDEX_COLUMNS, RequestIndex
 from backfill.jobs.validation.scan import Limits, ValidationResult, validate_lines
+from tests.factories import make_submitted_batch, make_team
 
 CHAT = "/v1/chat/completions"
 SHARED = "You are a careful assistant who reads the whole attached document before answering. " * 8
@@ -51,22 +50,7 @@ def _validated(lines: int) -> ValidationResult:
 
 def _new_batch(db: sessionmaker[Session]) -> str:
     with db.begin() as s:
-        team = Team(name=f"index-{secrets.token_hex(6)}")
-        s.add(team)
-        s.flush()
-        now = utcnow()
-        batch = Batch(
-            team_id=team.id,
-            input_file_id="f",
-            endpoint=CHAT,
-            completion_window="24h",
-            status=BatchStatus.validating,
-            created_at=now,
-            expires_at=now + timedelta(hours=24),
-        )
-        s.add(batch)
-        s.flush()
-        return batch.id
+        return make_submitted_batch(s, make_team(s)).id
 
 
 def _stored(db: sessionmaker[Session], batch_id: str) -> list[dict[str, Any]]:

@@ -20,10 +20,9 @@ from backfill.jobs.errors import InvalidRequest
 from backfill.jobs.execution.claims import claim_requests
 from backfill.jobs.execution.replies import Outcome, Usage
 from backfill.jobs.execution.results import record_outcome
-from backfill.jobs.models import Team
 from backfill.storage.process_state import reset as reset_process_state
 from backfill.storage.settings import get_settings
-from tests.factories import make_batch
+from tests.factories import make_batch, make_team
 
 WINDOWS = {"1h": 3600, "4h": 4 * 3600, "24h": 86400, "7d": 7 * 86400}
 MULTIPLIERS = {"1h": Decimal(2), "4h": Decimal("1.5"), "7d": Decimal("0.6")}
@@ -73,9 +72,7 @@ def test_the_table_per_window(db: sessionmaker[Session]) -> None:
 
 def test_a_batch_is_billed_at_its_windows_price(db: sessionmaker[Session], multipliers: None) -> None:
     with db.begin() as s:
-        team = Team(name="t")
-        s.add(team)
-        s.flush()
+        team = make_team(s, "t")
         general = _general(s)
         set_price(s, model="m", input_micros=3_000_000, cached_input_micros=0, output_micros=0, completion_window="4h")
         batches = {}
