@@ -17,7 +17,7 @@ from backfill.jobs.models import Batch, BatchStatus, Team, utcnow
 from backfill.storage.db import unit_of_work
 from tests.api.conftest import CheckedClient
 from tests.api.conftest import Team as ApiTeam
-from tests.factories import make_batch
+from tests.factories import make_batch, make_team
 
 NOON = datetime(2021, 3, 4, 12, 0, tzinfo=UTC)
 LINE_TIMES = (NOON + timedelta(seconds=10), NOON + timedelta(seconds=50))
@@ -55,9 +55,7 @@ def test_rolled_up_rows_give_the_same_totals_for_an_unaligned_end(db: sessionmak
     from backfill.jobs.billing.usage import resolved_end
 
     with db.begin() as s:
-        team = Team(name="t")
-        s.add(team)
-        s.flush()
+        team = make_team(s, "t")
         team_id, batch_id = team.id, _finished_batch_with_lines(s, team)
     assert resolved_end(UNALIGNED_END) == NOON + timedelta(minutes=1)
     assert resolved_end(NOON) == NOON  # a whole minute stays as it is

@@ -16,7 +16,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 from standardwebhooks import Webhook
 
-from backfill.jobs.models import Batch, BatchStatus, Team, utcnow
+from backfill.jobs.models import BatchStatus, utcnow
 from backfill.jobs.webhooks.events import (
     EVENT_TYPES,
     GIVE_UP_AFTER,
@@ -25,7 +25,6 @@ from backfill.jobs.webhooks.events import (
     create_endpoint,
     delete_endpoint,
     list_deliveries,
-    new_signing_secret,
     record_attempt,
     record_batch_event,
 )
@@ -33,6 +32,7 @@ from backfill.jobs.webhooks.models import DeliveryStatus, WebhookDelivery, Webho
 from backfill.jobs.webhooks.targets import REFUSED, TargetPolicy
 from backfill.scheduler.webhook_delivery import WebhookSender
 from backfill.storage.process_state import reset as reset_process_state
+from tests.factories import make_submitted_batch, make_team
 
 
 @pytest.fixture(autouse=True)
@@ -89,9 +89,7 @@ class Receiver:
 
 def _event(session: Session, url: str, status: BatchStatus = BatchStatus.completed) -> tuple[str, str]:
     """A team with an endpoint at `url` and a batch that just reached `status`: (secret, batch id)."""
-    team = Team(name=f"t-{new_signing_secret()[-8:]}")
-    session.add(team)
-    session.flush()
+    team = make_team(session)
     endpoint = create_endpoint(
         session,
         team_id=team.id,
@@ -100,18 +98,7 @@ def _event(session: Session, url: str, status: BatchStatus = BatchStatus.complet
         event_types=list(EVENT_TYPES),
         policy=TargetPolicy.of(["127.0.0.1/32"], allow_loopback=True),
     )
-    now = utcnow()
-    batch = Batch(
-        team_id=team.id,
-        input_file_id="f",
-        endpoint="/v1/chat/completions",
-        completion_window="24h",
-        status=status,
-        created_at=now,
-        expires_at=now + timedelta(hours=24),
-    )
-    session.add(batch)
-    session.flush()
+    batch = make_submitted_batch(session, team, status=status)
     assert record_batch_event(session, batch_id=batch.id, status=status) is not None
     return endpoint.secret, batch.id
 
