@@ -58,18 +58,39 @@ def count_usage_on_commit(
     pending: dict[tuple[str, str], _Usage] | None = session.info.get(_PENDING)
     if pending is None:
         pending = session.info[_PENDING] = defaultdict(_Usage)
-        event.listen(session, "after_commit", _count_pending)
-        event.listen(session, "after_rollback", _drop_pending)
-    team = session.get(Team, batch.team_id)
-    usage = pending[(team.name if team is not None else batch.team_id, batch.model or "")]
+    usage = pending[(_team_name(session, batch.team_id), batch.model or "")]
     usage.input += input_tokens
     usage.cached_input += cached_tokens
     usage.output += output_tokens
     usage.cost += cost
 
 
+# Team names by id, for the counters' labels: a team is never renamed, and each recorded group
+# would otherwise read its team's row again. Bounded: past it, names are read as before.
+_TEAM_NAMES: dict[str, str] = {}
+_TEAM_NAMES_MAX = 4096
+
+
+def _team_name(session: Session, team_id: str) -> str:
+    name = _TEAM_NAMES.get(team_id)
+    if name is None:
+        team = session.get(Team, team_id)
+        if team is None:
+            return team_id
+        name = team.name
+        if len(_TEAM_NAMES) < _TEAM_NAMES_MAX:
+            _TEAM_NAMES[team_id] = name
+    return name
+
+
+# Listening on every session of the process, once: a listener added to each recording's session
+# cost more than the counting (the events' registry is rebuilt per session). A session that billed
+# nothing has nothing pending, so the listeners return at once.
+@event.listens_for(Session, "after_commit")
 def _count_pending(session: Session) -> None:
-    pending: dict[tuple[str, str], _Usage] = session.info.get(_PENDING) or {}
+    pending: dict[tuple[str, str], _Usage] | None = session.info.get(_PENDING)
+    if not pending:
+        return
     metrics = usage_metrics()
     for (team, model), usage in pending.items():
         for kind in TOKEN_KINDS:
@@ -78,9 +99,11 @@ def _count_pending(session: Session) -> None:
     pending.clear()
 
 
+@event.listens_for(Session, "after_rollback")
 def _drop_pending(session: Session) -> None:
-    pending: dict[tuple[str, str], _Usage] = session.info.get(_PENDING) or {}
-    pending.clear()
+    pending: dict[tuple[str, str], _Usage] | None = session.info.get(_PENDING)
+    if pending:
+        pending.clear()
 
 
 def batches_by_status(session: Session) -> dict[str, int]:
