@@ -11,11 +11,10 @@ import secrets
 import threading
 import time
 import uuid
-from datetime import timedelta
 from typing import Any
 
 from backfill.jobs.files import file_key
-from backfill.jobs.models import Batch, BatchRequest, BatchStatus, RequestState, Team, utcnow
+from backfill.jobs.models import BatchRequest, RequestState
 from backfill.scheduler.capacity.admission import Admission
 from backfill.scheduler.capacity.controller import CapacityLoop
 from backfill.scheduler.capacity.law import ControlConfig, Controller, Slo
@@ -26,6 +25,7 @@ from backfill.storage.db import unit_of_work
 from backfill.storage.leases import FLEET_POOL, RedisLeaseStore, limit_key
 from backfill.storage.objects import get_object_store
 from backfill.storage.settings import parse_metrics_endpoints
+from tests.factories import make_batch, make_team
 from tests.scheduler.test_reclaim import lines_of
 from tests.scheduler.test_reclaim import scratch_db as scratch_db  # the fixture
 
@@ -36,23 +36,11 @@ def batch_from_lines(lines: list[dict[str, Any]]) -> str:
     """An in-progress batch over an input file in the object store, its lines indexed."""
     data = [json.dumps(line).encode() + b"\n" for line in lines]
     with unit_of_work() as s:
-        team = Team(name=f"t-{uuid.uuid4().hex[:8]}")
-        s.add(team)
-        s.flush()
+        team = make_team(s)
         file_id = uuid.uuid4().hex
         get_object_store().put(file_key(team.id, file_id), iter(data))
-        batch = Batch(
-            team_id=team.id,
-            input_file_id=file_id,
-            endpoint="/v1/chat/completions",
-            model=MODEL,
-            completion_window="24h",
-            status=BatchStatus.in_progress,
-            expires_at=utcnow() + timedelta(hours=1),
-            total=len(lines),
-        )
-        s.add(batch)
-        s.flush()
+        # Its lines written here: each at its own offset and length in the input file.
+        batch = make_batch(s, team, lines=0, model=MODEL, input_file_id=file_id, expires_in_s=3600, total=len(lines))
         offset = 0
         for n, raw in enumerate(data, start=1):
             s.add(BatchRequest(batch_id=batch.id, line=n, custom_id=f"r{n}", offset=offset, length=len(raw)))

@@ -9,12 +9,12 @@ from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from backfill.jobs import sweeps
-from backfill.jobs.models import Batch, BatchRequest, BatchStatus, Team, utcnow
+from backfill.jobs.models import Batch, BatchRequest, BatchStatus, utcnow
 from backfill.scheduler.ticker import Ticker
 from backfill.storage.broker import TaskName
 from backfill.storage.db import unit_of_work
 from backfill.storage.leases import SqlLeaseStore
-from tests.factories import make_batch
+from tests.factories import make_batch, make_team
 from tests.process_env import scratch_database
 
 
@@ -33,9 +33,7 @@ def _batch(team_id: str, status: BatchStatus, *, age_s: float = 0.0, expires_in_
 
 def test_a_tick_enqueues_each_task_by_its_name(scratch_db: str) -> None:
     with unit_of_work() as s:
-        team = Team(name="ticker")
-        s.add(team)
-        s.flush()
+        team = make_team(s, "ticker")
         team_id = team.id
     finalizing = _batch(team_id, BatchStatus.finalizing)
     overdue = _batch(team_id, BatchStatus.in_progress, expires_in_s=-1, lines=1)
@@ -74,9 +72,7 @@ def test_an_expired_batch_is_finalized_on_the_tick_after_its_last_running_line_i
     from backfill.jobs.models import RequestState
 
     with unit_of_work() as s:
-        team = Team(name="ticker-expiry")
-        s.add(team)
-        s.flush()
+        team = make_team(s, "ticker-expiry")
         team_id = team.id
     batch_id = _batch(team_id, BatchStatus.finalizing, lines=2)
     with unit_of_work() as s:
@@ -116,9 +112,7 @@ def test_a_batch_that_expires_while_a_line_is_recorded_is_finalized_in_the_same_
     from backfill.storage.db import get_engine
 
     with unit_of_work() as s:
-        team = Team(name="ticker-settle")
-        s.add(team)
-        s.flush()
+        team = make_team(s, "ticker-settle")
         team_id = team.id
     batch_id = _batch(team_id, BatchStatus.in_progress, expires_in_s=-1, lines=2)
     with unit_of_work() as s:
@@ -178,9 +172,7 @@ def test_nudges_of_batches_that_finished_are_forgotten(scratch_db: str) -> None:
     no longer needs nudging (it finished), it must be forgotten, or a scheduler running for
     months holds an entry for every batch it ever finalized or validated."""
     with unit_of_work() as s:
-        team = Team(name="ticker-forget")
-        s.add(team)
-        s.flush()
+        team = make_team(s, "ticker-forget")
         team_id = team.id
     finalizing = [_batch(team_id, BatchStatus.finalizing) for _ in range(3)]
     validating = _batch(team_id, BatchStatus.validating, age_s=60)
@@ -208,9 +200,7 @@ def test_a_leader_whose_tick_is_blocked_in_the_database_hands_over(scratch_db: s
 
     ttl_s = 4.0
     with unit_of_work() as s:
-        team = Team(name="ticker-blocked")
-        s.add(team)
-        s.flush()
+        team = make_team(s, "ticker-blocked")
         team_id = team.id
     overdue = _batch(team_id, BatchStatus.in_progress, expires_in_s=-1, lines=1)
     blocker = psycopg.connect(scratch_db.replace("postgresql+psycopg://", "postgresql://"))

@@ -14,6 +14,7 @@ from sqlalchemy import select
 from backfill.jobs.models import Batch, BatchRequest, BatchStatus, File, utcnow
 from backfill.jobs.teams import get_or_create_team
 from backfill.storage.process_state import reset as reset_process_state
+from tests.factories import make_submitted_batch
 
 
 def _lines(n: int) -> bytes:
@@ -53,16 +54,7 @@ def _batch(content: bytes | None) -> str:
         f = File(team_id=team, purpose="batch", filename="in.jsonl", bytes=len(content or b""), object_key=key)
         s.add(f)
         s.flush()
-        b = Batch(
-            team_id=team,
-            input_file_id=key.rsplit("/", 1)[1],
-            endpoint="/v1/chat/completions",
-            completion_window="24h",
-            expires_at=utcnow() + timedelta(hours=1),
-        )
-        s.add(b)
-        s.flush()
-        return b.id
+        return make_submitted_batch(s, team, input_file_id=key.rsplit("/", 1)[1], expires_in_s=3600).id
 
 
 def _status(batch_id: str) -> tuple[BatchStatus, list[dict[str, object]] | None]:
