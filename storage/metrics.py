@@ -46,8 +46,20 @@ def metrics_dir() -> Path:
     return Path(s.metrics_dir).expanduser().resolve() if s.metrics_dir else s.home / "metrics"
 
 
+# This process's name in the metric files' names. prometheus-client asks for it at every value
+# it changes (to notice a fork), so it is made once, and again in a forked child.
+_this_process = {"id": f"{_HOST}-{os.getpid()}"}
+
+
+def _forked() -> None:
+    _this_process["id"] = f"{_HOST}-{os.getpid()}"
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def _process_id() -> str:
-    return f"{_HOST}-{os.getpid()}"
+    return _this_process["id"]
 
 
 def configure_multiprocess() -> Path | None:
