@@ -249,9 +249,9 @@ class Dispatcher:
             if not self.recorder.db_ok.is_set():
                 await self.recorder.wait_for_db(until=lambda: time.monotonic() >= deadline or self._stopping())
                 continue
-            if self.escalation is not None:
-                await self._release_escalated()
             try:
+                # Which deployments serve which model, known before any lease is taken: a drain's
+                # first round must not take a deployment it has not asked yet for one serving all.
                 await asyncio.to_thread(self.routes.refresh)
                 self._models = await asyncio.to_thread(self.pending_models)
             except Exception as exc:
@@ -259,6 +259,8 @@ class Dispatcher:
                     raise
                 self.recorder.unreachable(exc)
                 continue
+            if self.escalation is not None:
+                await self._release_escalated()
             if not self._models:  # no batch has work: as a claim that found none
                 if await self._idle():
                     return
