@@ -25,10 +25,6 @@ def _lines(n: int) -> bytes:
     )
 
 
-def _reset() -> None:
-    reset_process_state()
-
-
 @pytest.fixture
 def env(scratch_pg_url: str, redis_url: str, fleet: object, tmp_path: Path) -> Iterator[pytest.MonkeyPatch]:
     with pytest.MonkeyPatch.context() as mp:
@@ -37,9 +33,9 @@ def env(scratch_pg_url: str, redis_url: str, fleet: object, tmp_path: Path) -> I
         mp.setenv("BACKFILL_HOME", str(tmp_path))
         mp.setenv("BACKFILL_S3_ENDPOINT_URL", "")
         mp.setenv("BACKFILL_FLEET_URLS", fleet.base_url)  # type: ignore[attr-defined]
-        _reset()
+        reset_process_state()
         yield mp
-    _reset()
+    reset_process_state()
 
 
 def _batch(content: bytes | None) -> str:
@@ -93,7 +89,7 @@ def test_an_unreachable_fleet_leaves_the_batch_to_the_next_nudge(env: pytest.Mon
 
     batch_id = _batch(_lines(1))
     env.setenv("BACKFILL_FLEET_URLS", "http://127.0.0.1:9/v1")
-    _reset()
+    reset_process_state()
     assert validate_batch(batch_id) == "waiting"
     assert _status(batch_id) == (BatchStatus.validating, None)
 
