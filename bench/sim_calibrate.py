@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,8 @@ ATTAIN_PTS = 3.0
 
 
 def trace_of(params: dict[str, Any], name: str) -> Trace:
-    spec = TraceSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in params.items()})
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
+    spec = TraceSpec(**fields)
     sessions = build_trace(spec)
     return Trace(
         name,
