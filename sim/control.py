@@ -21,7 +21,9 @@ published and shed to as the controller publishes its own: the oracle's), `contr
 
 from __future__ import annotations
 
+import functools
 import math
+import random
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -52,12 +54,18 @@ class MemoryLeaseStore:
         self.pools: dict[str, dict[str, float]] = {}
         self.values: dict[str, tuple[str, float]] = {}
         self.n = 0
+        # Per pool, no lease expires before this (a lower bound: renewals only move expiries
+        # later), so the expired ones are looked for only from then on.
+        self.expires_from: dict[str, float] = {}
 
     def _live(self, pool: str) -> dict[str, float]:
         now = self.clock.now
         held = self.pools.setdefault(pool, {})
+        if now < self.expires_from.get(pool, -math.inf):
+            return held
         for k in [k for k, t in held.items() if t <= now]:
             del held[k]
+        self.expires_from[pool] = min(held.values(), default=math.inf)
         return held
 
     def acquire(self, pool: str, *, limit: int, n: int, ttl_s: float, settle: bool = True) -> list[str]:
@@ -66,15 +74,19 @@ class MemoryLeaseStore:
         for _ in range(max(0, min(n, limit - len(held)))):
             self.n += 1
             lease = f"l{self.n}"
-            held[lease] = self.clock.now + ttl_s
+            held[lease] = expires = self.clock.now + ttl_s
+            self.expires_from[pool] = min(self.expires_from[pool], expires)
             out.append(lease)
         return out
 
     def renew(self, pool: str, lease_ids: list[str], *, ttl_s: float) -> None:
         held = self._live(pool)
+        expires = self.clock.now + ttl_s
         for lease in lease_ids:
             if lease in held:
-                held[lease] = self.clock.now + ttl_s
+                held[lease] = expires
+        if lease_ids:
+            self.expires_from[pool] = min(self.expires_from[pool], expires)
 
     def release(self, pool: str, lease_ids: list[str]) -> None:
         held = self.pools.get(pool, {})
@@ -134,6 +146,32 @@ class LineQueue:
 
     def appendleft(self, line: tuple[int, int, int, int]) -> None:
         self.requeued.append(line)
+
+
+@functools.lru_cache(maxsize=64)
+def _release_plan(
+    seed: int, groups: int, preamble: int, unique: tuple[int, int], output: tuple[int, int]
+) -> tuple[tuple[int, int, int, int], ...]:
+    """Batch lines (line, group, prompt, max tokens) in the release order the prefix plan gives
+    them: the lines under one preamble together. The same for every run of a seed and batch
+    shape (the static sweep, the controller, the oracle's replays), so planned once."""
+    rng = random.Random(seed * 9973 + 11)
+    n = 4000
+    lines, paths, kv = [], [], []
+    pre_blocks = preamble // 64
+    for i in range(n):
+        group = i % groups
+        prompt = preamble + rng.randint(*unique)
+        out = rng.randint(*output)
+        lines.append((i + 1, group, prompt, out))
+        uniq = (prompt - preamble) // 64
+        paths.append(
+            group.to_bytes(FINGERPRINT_BYTES, "big") * pre_blocks + (i + 1).to_bytes(FINGERPRINT_BYTES, "big") * uniq
+        )
+        kv.append(prompt + out)
+    plan = plan_prefix_order(paths, [line for line, *_ in lines], kv)
+    order = sorted(range(n), key=lambda i: plan.rank[i])
+    return tuple(lines[i] for i in order)
 
 
 class _ClockFn:
@@ -229,29 +267,10 @@ class Sim:
 
     # -- set-up ----------------------------------------------------------------------------
     def _plan_lines(self) -> LineQueue:
-        """Batch lines (line, group, prompt, max tokens) in the release order the prefix plan
-        gives them: the lines under one preamble together."""
-        import random
-
         spec = self.spec
-        rng = random.Random(self.seed * 9973 + 11)
-        n = 4000
-        lines, paths, kv = [], [], []
-        pre_blocks = spec.batch_preamble // 64
-        for i in range(n):
-            group = i % spec.batch_groups
-            prompt = spec.batch_preamble + rng.randint(*spec.batch_unique)
-            out = rng.randint(*spec.batch_output)
-            lines.append((i + 1, group, prompt, out))
-            uniq = (prompt - spec.batch_preamble) // 64
-            paths.append(
-                group.to_bytes(FINGERPRINT_BYTES, "big") * pre_blocks
-                + (i + 1).to_bytes(FINGERPRINT_BYTES, "big") * uniq
-            )
-            kv.append(prompt + out)
-        plan = plan_prefix_order(paths, [line for line, *_ in lines], kv)
-        order = sorted(range(n), key=lambda i: plan.rank[i])
-        return LineQueue(tuple(lines[i] for i in order))
+        return LineQueue(
+            _release_plan(self.seed, spec.batch_groups, spec.batch_preamble, spec.batch_unique, spec.batch_output)
+        )
 
     def _make_loop(self) -> CapacityLoop:
         spec = self.spec
@@ -326,10 +345,11 @@ class Sim:
     def refill(self) -> None:
         if not self.batch_on or self.clock.now >= self.duration:
             return
-        want = self.limit() - len(self.batch_inflight)
+        limit = self.limit()  # (once: nothing is published within a refill)
+        want = limit - len(self.batch_inflight)
         if want <= 0 or not self._lines:
             return
-        leases = self.store.acquire(POOL, limit=self.limit(), n=want, ttl_s=self.LEASE_TTL_S)
+        leases = self.store.acquire(POOL, limit=limit, n=want, ttl_s=self.LEASE_TTL_S)
         for lease in leases:
             line, group, prompt, out = self._lines.popleft()
             self.rid += 1

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import math
 from bisect import bisect_left
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, replace
@@ -186,26 +187,37 @@ class Req:
 
 
 class Clock:
-    """The event heap: (time, order, target, method, args). Targets are names, so a whole
-    simulation pickles (the oracle snapshots it)."""
+    """The event heap: (time, order, bound method, args). A bound method pickles as its object
+    and its name, so a whole simulation pickles (the oracle snapshots it)."""
 
     def __init__(self) -> None:
         self.now = 0.0
-        self.heap: list[tuple[float, int, str, str, tuple[Any, ...]]] = []
+        self.heap: list[tuple[float, int, Any, tuple[Any, ...]]] = []
         self.n = 0
         self.targets: dict[str, Any] = {}
+        # The end of the running `run_until`: a worker may run its next step in place of an
+        # event only up to there (and only while that step ends before every queued event).
+        self.until = -math.inf
 
     def at(self, t: float, target: str, method: str, *args: Any) -> None:
         self.n += 1
-        heapq.heappush(self.heap, (t, self.n, target, method, args))
+        heapq.heappush(self.heap, (t, self.n, getattr(self.targets[target], method), args))
+
+    def call_at(self, t: float, fn: Any, *args: Any) -> None:
+        self.n += 1
+        heapq.heappush(self.heap, (t, self.n, fn, args))
 
     def run_until(self, t_end: float) -> None:
-        heap, targets = self.heap, self.targets
+        heap = self.heap
+        pop = heapq.heappop
+        self.until = t_end
         while heap and heap[0][0] <= t_end:
-            t, _, target, method, args = heapq.heappop(heap)
+            t, _, fn, args = pop(heap)
             self.now = t
-            getattr(targets[target], method)(*args)
-        self.now = max(self.now, t_end)
+            fn(*args)
+        self.until = -math.inf
+        if self.now < t_end:
+            self.now = t_end
 
 
 @dataclass
@@ -379,7 +391,10 @@ class Worker:
                     self.step_chunks[i] = (c, -1)
         r.state = "aborted"
 
-    def start_step(self) -> None:
+    def start_step(self, in_place: bool = False) -> float | None:
+        """Starts the next step and queues its end. With `in_place` (from `end_step`), a step
+        that ends before every queued event and within the running `run_until` is not queued:
+        its end time is returned and the caller runs it at once, as the clock would have."""
         spec = self.spec
         clock = self.fleet.clock
         now = clock.now
@@ -388,19 +403,25 @@ class Worker:
             # Most steps only decode: the same step as below, without the prefill bookkeeping.
             if not n_dec:
                 self.busy = False
-                return
-            held = (
-                self.dec_offset + n_dec * self.step_no + self.pre_tokens - self.shared_saving + n_dec * self.half_block
-            )
-            if held + n_dec <= self.capacity:
-                usage = min(1.0, held / self.capacity)
-                decode_ms = self.perf.decode_ms(n_dec, (self.dec_offset + n_dec * self.step_no) / n_dec, usage)
+                return None
+            tokens = self.dec_offset + n_dec * self.step_no
+            held = tokens + self.pre_tokens - self.shared_saving + n_dec * self.half_block
+            capacity = self.capacity
+            if held + n_dec <= capacity:
+                usage = min(1.0, held / capacity)
+                decode_ms = self.perf.decode_ms(n_dec, tokens / n_dec, usage)
                 self.busy = True
-                self.step_chunks = []
+                if self.step_chunks:
+                    self.step_chunks = []
                 self.step_ndec = n_dec
                 self.step_started = now
-                clock.at(now + max(decode_ms / 1000.0, 1e-4), self.name, "end_step")
-                return
+                t = now + max(decode_ms / 1000.0, 1e-4)
+                if in_place and t <= clock.until:
+                    heap = clock.heap
+                    if not heap or t < heap[0][0]:
+                        return t
+                clock.call_at(t, self.end_step)
+                return None
         # Decode tokens need blocks: preempt until they fit.
         while n_dec and self.active_tokens() + n_dec > self.capacity:
             v = self._victim()
@@ -474,77 +495,88 @@ class Worker:
         dur = (prefill_ms + decode_ms) / 1000.0 + load_s
         if not chunks and not n_dec:
             self.busy = False
-            return
+            return None
         self.busy = True
         self.step_chunks = chunks
         self.step_ndec = n_dec
         self.step_started = now
-        clock.at(now + max(dur, 1e-4), self.name, "end_step")
+        clock.call_at(now + max(dur, 1e-4), self.end_step)
+        return None
 
     def end_step(self) -> None:
         fleet = self.fleet
-        now = fleet.clock.now
-        dur = now - self.step_started
-        self.step_no += 1
-        step = self.step_no
-        n_dec = self.step_ndec
-        if n_dec:
-            self.m.itl_sum += dur * n_dec
-            self.m.itl_count += n_dec
-        fin = self.finishing
-        while fin and fin[0][0] <= step:
-            _, _, epoch, r = heapq.heappop(fin)
-            if r.epoch != epoch or r.state != "decode":
-                continue
-            del self.decoding[r.rid]
-            self.dec_offset -= r.ctx0 - r.dec_step0
-            self._share(r, -1)
-            r.generated = r.max_tokens
-            r.state = "done"
-            r.done_at = now
-            self.store(r.finish_store)
-            fleet.finished(r)
-        for r, c in self.step_chunks if self.step_chunks else ():
-            if c < 0 or r.state != "prefill":
-                continue
-            r.computed += c
-            self.pre_tokens += c
-            if r.computed < r.need:
-                continue
-            self.prefilling.remove(r)
-            self.pre_tokens -= r.computed
-            self.store(r.prefill_store)
-            if self.role == "prefill":
+        clock = fleet.clock
+        while True:
+            now = clock.now
+            dur = now - self.step_started
+            self.step_no += 1
+            step = self.step_no
+            n_dec = self.step_ndec
+            if n_dec:
+                self.m.itl_sum += dur * n_dec
+                self.m.itl_count += n_dec
+            fin = self.finishing
+            while fin and fin[0][0] <= step:
+                _, _, epoch, r = heapq.heappop(fin)
+                if r.epoch != epoch or r.state != "decode":
+                    continue
+                del self.decoding[r.rid]
+                self.dec_offset -= r.ctx0 - r.dec_step0
                 self._share(r, -1)
-                r.state = "transfer"
-                fleet.transfer(r, self)
-                continue
-            # The prompt is in: this step sampled the next token.
-            if r.first_at is None:
-                r.first_at = now
-                self.m.ttft_sum += now - r.wstart
-                self.m.ttft_count += 1
-                fleet.first_token(r)
-            r.generated += 1
-            if r.generated >= r.max_tokens:
-                self._share(r, -1)
+                r.generated = r.max_tokens
                 r.state = "done"
                 r.done_at = now
                 self.store(r.finish_store)
                 fleet.finished(r)
-                continue
-            r.state = "decode"
-            r.gen_base = r.generated
-            r.ctx0 = r.need + 1
-            r.dec_step0 = step
-            r.transferred = False
-            self.decoding[r.rid] = r
-            self.dec_offset += r.ctx0 - step
-            heapq.heappush(fin, (step + r.max_tokens - r.gen_base, r.rid, r.epoch, r))
-        self.step_chunks = []
-        self.trim_cache()
-        self.busy = False
-        self.kick()
+            for r, c in self.step_chunks if self.step_chunks else ():
+                if c < 0 or r.state != "prefill":
+                    continue
+                r.computed += c
+                self.pre_tokens += c
+                if r.computed < r.need:
+                    continue
+                self.prefilling.remove(r)
+                self.pre_tokens -= r.computed
+                self.store(r.prefill_store)
+                if self.role == "prefill":
+                    self._share(r, -1)
+                    r.state = "transfer"
+                    fleet.transfer(r, self)
+                    continue
+                # The prompt is in: this step sampled the next token.
+                if r.first_at is None:
+                    r.first_at = now
+                    self.m.ttft_sum += now - r.wstart
+                    self.m.ttft_count += 1
+                    fleet.first_token(r)
+                r.generated += 1
+                if r.generated >= r.max_tokens:
+                    self._share(r, -1)
+                    r.state = "done"
+                    r.done_at = now
+                    self.store(r.finish_store)
+                    fleet.finished(r)
+                    continue
+                r.state = "decode"
+                r.gen_base = r.generated
+                r.ctx0 = r.need + 1
+                r.dec_step0 = step
+                r.transferred = False
+                self.decoding[r.rid] = r
+                self.dec_offset += r.ctx0 - step
+                heapq.heappush(fin, (step + r.max_tokens - r.gen_base, r.rid, r.epoch, r))
+            if self.step_chunks:
+                self.step_chunks = []
+            if self.cache_tokens:
+                self.trim_cache()
+            self.busy = False
+            if not (self.waiting or self.prefilling or self.decoding):
+                return
+            # The next step, run here while it ends before anything else is due.
+            t = self.start_step(in_place=True)
+            if t is None:
+                return
+            clock.now = t
 
     def metrics_text(self) -> str:
         m = self.m
@@ -621,7 +653,7 @@ class Fleet:
         r.state = "new"
         self.inflight[r.rid] = r
         self.m.started["stream" if r.interactive else "unary"] += 1
-        self.clock.at(self.clock.now + self.spec.frontend_s, "fleet", "route", r)
+        self.clock.call_at(self.clock.now + self.spec.frontend_s, self.route, r)
 
     def route(self, r: Req) -> None:
         if r.state == "aborted":
@@ -642,7 +674,7 @@ class Fleet:
     def transfer(self, r: Req, src: Worker) -> None:
         dst = min(self.decoders, key=lambda w: (w.active_tokens() + sum(x.need for x in w.waiting), w.index))
         dt = self.spec.kv_transfer_latency_s + r.need * self.spec.kv_transfer_s_per_token
-        self.clock.at(self.clock.now + dt, "fleet", "arrive", r, dst.index)
+        self.clock.call_at(self.clock.now + dt, self.arrive, r, dst.index)
 
     def arrive(self, r: Req, dst: int) -> None:
         if r.state == "aborted":

@@ -1,8 +1,10 @@
 """The oracle: the largest batch limit per window that keeps the interactive SLO, found on the
 simulator itself, knowing the future.
 
-Three stages, each exact on the simulator (every candidate is run to the trace's end and judged
-by its attainment and batch throughput):
+Three stages, each exact on the simulator (every candidate is judged by its attainment and batch
+throughput at the trace's end; a run is cut short only once it is sure to fail, which is the
+verdict the rest of the run would have given: a request whose first token is late for good, or
+an attainment that can no longer reach the floor):
 
 1. A greedy forward search with backtracking. Window by window (1 s), from the simulation's
    state at the window's start (a snapshot), it tries limits (the cap first, then a binary
@@ -26,7 +28,9 @@ by its attainment and batch throughput):
    windows must give it back (a static limit once beat it that way); this stage finds those.
 
 Snapshots pickle the whole simulation except what can no longer change (the trace, the fleet
-spec, the batch's release plan, finished requests), which all snapshots share by reference.
+spec, the batch's release plan, finished requests), which all snapshots share by reference. The
+greedy search runs a window's first limit on the simulation it already holds in that state,
+without loading the snapshot.
 """
 
 from __future__ import annotations
@@ -82,24 +86,21 @@ class Snapshots:
         frozen = {id(sim.trace), id(sim.sessions), id(sim.spec), id(sim.fleet.perf), id(sim._lines.plan)}
         ref = self._ref
 
-        class P(pickle.Pickler):
-            def persistent_id(self, obj: Any) -> int | None:
-                if type(obj) is Req:
-                    return ref(obj) if obj.state in ("done", "aborted") else None
-                return ref(obj) if id(obj) in frozen else None
+        def persistent_id(obj: Any) -> int | None:
+            if type(obj) is Req:
+                return ref(obj) if obj.state in ("done", "aborted") else None
+            return ref(obj) if id(obj) in frozen else None
 
         buf = io.BytesIO()
-        P(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(sim)
+        p = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+        p.persistent_id = persistent_id  # type: ignore[method-assign]
+        p.dump(sim)
         return buf.getvalue()
 
     def loads(self, data: bytes) -> Sim:
-        shared = self.shared
-
-        class U(pickle.Unpickler):
-            def persistent_load(self, pid: Any) -> Any:
-                return shared[pid]
-
-        sim: Sim = U(io.BytesIO(data)).load()
+        u = pickle.Unpickler(io.BytesIO(data))
+        u.persistent_load = self.shared.__getitem__  # type: ignore[method-assign]
+        sim: Sim = u.load()
         return sim
 
 
@@ -166,6 +167,63 @@ def _bound_to_miss(sim: Sim, allowed: set[tuple[int, int]], since: float, t_min:
     return bad
 
 
+def _watch(sim: Sim, allowed: set[tuple[int, int]], since: float) -> list[int] | None:
+    """At a window's start (just before `since`): the indices in `sim.interactive` of the
+    requests that may yet turn out late for the window (no first token yet, or a late one and
+    not done); None when one already is, for sure (a late first token and done in the window,
+    or none yet past the bound with more than one token to go, so it cannot be done before
+    `since`): then every limit fails the window."""
+    now = sim.clock.now
+    ttft_s = sim.slo.ttft_s
+    out = []
+    for i, r in enumerate(sim.interactive):
+        if r.first_at is None:
+            if (r.session, r.turn) in allowed:
+                continue
+            if now - r.arrival > ttft_s and r.max_tokens > 1:
+                return None
+            out.append(i)
+        elif r.first_at - r.arrival > ttft_s and (r.done_at is None or r.done_at >= since):
+            if (r.session, r.turn) in allowed:
+                continue
+            if r.done_at is not None:
+                return None
+            out.append(i)
+    return out
+
+
+def _run_window(sim: Sim, since: float, end: float, watch: list[int], allowed: set[tuple[int, int]]) -> bool:
+    """Runs `sim` to `end`, or stops early (False) once a request is sure to be in
+    `_bound_to_miss`'s answer at `end`: past `since`, one still without its first token after
+    the TTFT bound, or one whose first token came late and is not done before `since`. It
+    stops to look at each waiting request's bound (one arriving meanwhile has a later bound);
+    cutting a run into pieces does not change what the simulation does."""
+    ttft_s = sim.slo.ttft_s
+    reqs = sim.interactive
+    watched = [reqs[i] for i in watch]
+    seen = len(reqs)
+    sim.run_until(min(since, end))
+    while True:
+        if len(reqs) > seen:
+            watched.extend(r for r in reqs[seen:] if (r.session, r.turn) not in allowed)
+            seen = len(reqs)
+        now = sim.clock.now
+        nxt = math.inf
+        left = []
+        for r in watched:
+            if r.first_at is None:
+                if now - r.arrival > ttft_s:
+                    return False
+                nxt = min(nxt, r.arrival + ttft_s)
+                left.append(r)
+            elif r.first_at - r.arrival > ttft_s and (r.done_at is None or r.done_at >= since):
+                return False
+        watched = left
+        if now >= end:
+            return True
+        sim.run_until(end if nxt >= end else min(end, max(nxt, now) + 1e-9))
+
+
 def greedy(
     spec: FleetSpec,
     trace: Trace,
@@ -189,14 +247,29 @@ def greedy(
     tries = backtracks = 0
     allowed = set(allowed)
     k = 0
+    live: Sim | None = sim  # a simulation in the state of snaps_k[k], not yet run on
     while k < n:
         if len(snaps_k) <= k:
-            snaps_k.append(store.dumps(sim))
+            assert live is not None
+            snaps_k.append(store.dumps(live))
         end = min((k + 1) * window_s, trace.duration_s)
+        if live is None:
+            live = store.loads(snaps_k[k])
+        watch = _watch(live, allowed, k * window_s)
 
-        def attempt(limit: int, k: int = k, end: float = end) -> tuple[Sim, list[float]]:
-            s = store.loads(snaps_k[k])
+        def attempt(
+            limit: int, k: int = k, end: float = end, watch: list[int] | None = watch
+        ) -> tuple[Sim | None, list[float]]:
+            """The window run at `limit` to its end, and the arrivals of the requests that
+            missed or are bound to. Every limit but 0 only needs to know whether any did: those
+            runs stop at the first request sure to (the list then says only that one did)."""
+            nonlocal live
+            if limit and watch is None:
+                return None, [math.nan]  # a request is late already, whatever the limit
+            s, live = (live, None) if live is not None else (store.loads(snaps_k[k]), None)
             s.policy.schedule = [*schedule[:k], limit]
+            if limit and not _run_window(s, k * window_s, end - 1e-9, watch or [], allowed):
+                return s, [math.nan]
             s.run_until(end - 1e-9)  # the next window's tick is the next window's
             return s, _bound_to_miss(s, allowed, k * window_s, t_min)
 
@@ -219,6 +292,7 @@ def greedy(
             if ok_s is None:
                 tries += 1
                 s0, bad0 = attempt(0)
+                assert s0 is not None  # (limit 0 always runs the window)
                 if bad0:
                     arrivals = bad0
                     lo = min(arrivals) - LOOKBACK_S
@@ -235,17 +309,71 @@ def greedy(
                         hi[m] = cap
                     del schedule[j:]
                     del snaps_k[j + 1 :]
-                    sim = store.loads(snaps_k[j])
+                    live = store.loads(snaps_k[j])
                     k = j
                     continue
                 ok_s = s0
             chosen, best = ok_l, ok_s
+        assert best is not None  # (a window that holds was run)
         schedule.append(chosen)
-        sim = best
+        sim = live = best
         k += 1
     sim.policy.schedule = schedule
     sim.finish()
     return OracleResult(Schedule(schedule, window_s), sim, tries, backtracks, len(allowed))
+
+
+def _surely_below(sim: Sim, floor: float) -> bool:
+    """Whether the run's attainment is sure to end below `floor` already: the requests sure to
+    miss the SLO (a first token late, or none yet past the TTFT bound, or done with too slow a
+    mean ITL) leave too few to reach it even if every request still to come met it. The
+    requests still to come are bounded by each session's turns that could yet start before the
+    trace's end (a turn starts no sooner than its previous one ended plus its think time)."""
+    now = sim.clock.now
+    slo = sim.slo
+    missed = 0
+    last: dict[int, Req] = {}
+    for r in sim.interactive:
+        if r.first_at is None:
+            if now - r.arrival > slo.ttft_s:
+                missed += 1
+        elif r.first_at - r.arrival > slo.ttft_s:
+            missed += 1
+        elif r.done_at is not None and r.max_tokens > 1 and (r.done_at - r.first_at) / (r.max_tokens - 1) > slo.itl_s:
+            missed += 1
+        got = last.get(r.session)
+        if got is None or r.turn > got.turn:
+            last[r.session] = r
+    if not missed:
+        return False
+    end = sim.duration + 1e-6  # (a margin for the sums' rounding: more turns is the safe side)
+    to_come = 0
+    for sid, session in enumerate(sim.sessions):
+        latest = last.get(sid)
+        if latest is None:
+            k, t = 0, session.start_s
+        else:
+            k = latest.turn + 1
+            t = (latest.done_at if latest.done_at is not None else now) + session.turns[latest.turn].think_s
+        while k < len(session.turns) and t < end:
+            to_come += 1
+            t += session.turns[k].think_s
+            k += 1
+    most = len(sim.interactive) + to_come
+    return (most - missed) / most < floor
+
+
+def _finish_unless_below(sim: Sim, floor: float, every_s: float = 4.0) -> bool:
+    """`sim.finish()`, stopping early (False) once the attainment is sure to end below `floor`
+    (looked at every `every_s` of the trace; cutting a run into pieces changes nothing in it)."""
+    t = sim.clock.now
+    while t < sim.duration:
+        t = min(sim.duration, t + every_s)
+        sim.run_until(t)
+        if _surely_below(sim, floor):
+            return False
+    sim.finish()
+    return True
 
 
 def improve(
@@ -301,7 +429,8 @@ def improve(
                 tries += 1
                 s = store.loads(snaps_j[j])
                 s.policy = trial.policy()
-                s.finish()
+                if not _finish_unless_below(s, floor):
+                    continue  # the SLO is broken for sure: rejected, as the whole run would be
                 if s.batch_tok_s() > best_tok and attainment(s) >= floor:
                     schedule, sim, best_tok = trial, s, s.batch_tok_s()
                     kept += 1

@@ -60,12 +60,25 @@ def _interp1(xs: list[float], ys: list[float], x: float) -> float:
 
 def _interp2(xs: list[float], ys: list[float], grid: list[list[float]], x: float, y: float) -> float:
     """`_interp1` along x of the rows interpolated along y, computing only the two rows that
-    bracket x (the others do not enter the result; the same arithmetic, so the same figures)."""
-    if len(xs) == 1:
-        return _interp1(ys, grid[0], y)
+    bracket x (the others do not enter the result; the same arithmetic, so the same figures).
+    Both rows share the y axis, so the bracket along y is found once."""
+    if len(xs) == 1 or len(ys) == 1:
+        if len(xs) == 1:
+            return _interp1(ys, grid[0], y)
+        i = 1 if x <= xs[0] else min(bisect_right(xs, x), len(xs) - 1)
+        x0, x1 = xs[i - 1], xs[i]
+        y0, y1 = _interp1(ys, grid[i - 1], y), _interp1(ys, grid[i], y)
+        return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
     i = 1 if x <= xs[0] else min(bisect_right(xs, x), len(xs) - 1)
+    j = 1 if y <= ys[0] else min(bisect_right(ys, y), len(ys) - 1)
+    c0, c1 = ys[j - 1], ys[j]
+    row = grid[i - 1]
+    a, b = row[j - 1], row[j]
+    y0 = a + (b - a) * (y - c0) / (c1 - c0)
+    row = grid[i]
+    a, b = row[j - 1], row[j]
+    y1 = a + (b - a) * (y - c0) / (c1 - c0)
     x0, x1 = xs[i - 1], xs[i]
-    y0, y1 = _interp1(ys, grid[i - 1], y), _interp1(ys, grid[i], y)
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 

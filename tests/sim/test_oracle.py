@@ -73,3 +73,38 @@ def test_a_snapshot_replays_exactly() -> None:
     want = (sim.batch_tok_s(), [(o.ttft, o.itl) for o in sim.outcomes()])
     for s in copies:
         assert (s.batch_tok_s(), [(o.ttft, o.itl) for o in s.outcomes()]) == want
+
+
+def test_early_stops_only_drop_runs_that_fail_anyway() -> None:
+    """A replay cut short (the attainment sure to end below the floor; a window sure to hold a
+    late first token) is one the whole run would also have rejected."""
+    from backfill.sim.oracle import _bound_to_miss, _finish_unless_below, _run_window, _watch
+
+    fleet, trace, slo, a = _setup(352, "agent", 30.0)
+    floor = attainment(a) - 0.01
+    snaps = Snapshots()
+    cut = kept = dropped = 0
+    for limit in (8, 32, 64, 128):
+        sim = Sim(fleet, trace, Policy("schedule", schedule=[limit] * 30), slo=slo, seed=0)
+        for k in range(0, 30, 3):
+            sim.run_until(k - 1e-9)
+            data = snaps.dumps(sim)
+            whole, early = snaps.loads(data), snaps.loads(data)
+            whole.run_until(k + 1 - 1e-9)
+            missed = _bound_to_miss(whole, set(), float(k), 0.0)
+            watch = _watch(early, set(), float(k))
+            if watch is None or not _run_window(early, float(k), k + 1 - 1e-9, watch, set()):
+                cut += 1
+                assert missed, (limit, k)
+            else:
+                assert early.clock.now == whole.clock.now
+                assert _bound_to_miss(early, set(), float(k), 0.0) == missed
+            whole, early = snaps.loads(data), snaps.loads(data)
+            whole.finish()
+            if _finish_unless_below(early, floor):
+                kept += 1
+                assert (early.batch_tok_s(), attainment(early)) == (whole.batch_tok_s(), attainment(whole))
+            else:
+                dropped += 1
+                assert attainment(whole) < floor, (limit, k)
+    assert cut and kept and dropped, "runs of every kind are looked at"
