@@ -4,13 +4,13 @@ A snapshot of what each deployment serves (`storage.fleet_models`: its own `/v1/
 configured map), taken by the drain between claims and read without I/O by everything that
 routes a line: the lease pools (`scheduler.capacity.admission.Pool`), the claims, the fleet
 client's failover. A deployment never known (it has not answered `/v1/models` since the process
-started, and the map does not name it) is taken to serve every model, as every deployment was
-before routing knew models: its breaker is what stops lines from going to a deployment that is
-down.
+started, and the map does not name it) is taken to serve every model (sending it nothing would
+stop a fleet whose `/v1/models` is unreachable): its breaker is what stops lines from going to a
+deployment that is down.
 
 A deployment that serves several models gets a lease pool per model, so one model's saturation
 or failure never holds back another's batch work; one that serves a single model keeps one pool
-under the deployment's plain name, so a one-model fleet looks as it always did.
+under the deployment's plain name, so a one-model fleet has one pool per deployment.
 """
 
 from __future__ import annotations
