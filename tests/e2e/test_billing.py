@@ -269,9 +269,10 @@ def test_bill_reconciles_across_crashes_and_retries(
 
     # Batch 2 runs while the backfill worker is SIGKILLed and restarted, then a fleet worker dies
     # (requests routed to it come back 503 and are retried: forced retries).
-    # Long enough answers that the batch is still running when its worker is killed (small
-    # batches now turn around in well under a second).
-    lines = [chat_line(i, max_tokens=300 + i % 5, prefix=PREFIX) for i in range(300)]
+    # Long enough answers, and enough waves of the stack's 32 leases (25), that the batch is still
+    # running when its worker is killed, however late a loaded machine lets this test look (small
+    # batches turn around in well under a second; 300 lines sometimes finished first).
+    lines = [chat_line(i, max_tokens=300 + i % 5, prefix=PREFIX) for i in range(800)]
     f2 = upload(client, jsonl(lines))
     b2 = client.batches.create(input_file_id=f2.id, endpoint="/v1/chat/completions", completion_window="24h")
     # A new price version after creation must not reach batch 2: it is billed at the old one.
