@@ -397,14 +397,28 @@ def improve(
     best_tok = sim.batch_tok_s()
     tries = kept = 0
 
-    def snapshots_from(j0: int, base: Sim | None, size: int) -> dict[int, bytes]:
-        s = base if base is not None else Sim(spec, trace, schedule.policy(), slo=slo, seed=seed)
-        s.policy = schedule.policy()
-        out = {}
-        for j in range(j0, n, size):
-            s.run_until(j * w - 1e-9)
-            out[j] = store.dumps(s)
-        return out
+    # The snapshots at each block's start, under the schedule as it stands, taken as the blocks
+    # are reached (a replay kept at block j moves the replay taking them back to j): the pass
+    # may end at `max_tries` long before the trace's end.
+    snaps_j: dict[int, bytes] = {}
+    taker: Sim | None = None
+    taker_next = 0
+
+    def restart(j: int, base: Sim) -> None:
+        nonlocal taker, taker_next
+        base.policy = schedule.policy()
+        taker, taker_next = base, j
+        for m in [m for m in snaps_j if m >= j]:
+            del snaps_j[m]
+
+    def snapshot(j: int, size: int) -> bytes:
+        nonlocal taker_next
+        assert taker is not None
+        while j not in snaps_j:
+            taker.run_until(taker_next * w - 1e-9)
+            snaps_j[taker_next] = store.dumps(taker)
+            taker_next += size
+        return snaps_j[j]
 
     def raised(j: int, size: int, f: float) -> Schedule:
         limits = list(schedule.limits)
@@ -418,7 +432,7 @@ def improve(
 
     for block_s in IMPROVE_BLOCKS_S:
         size = max(1, round(block_s / w))
-        snaps_j = snapshots_from(0, None, size)
+        restart(0, Sim(spec, trace, schedule.policy(), slo=slo, seed=seed))
         for j in range(0, n, size):
             if all(v >= cap for v in schedule.limits[j : j + size]):
                 continue
@@ -427,7 +441,7 @@ def improve(
                     return schedule, sim, tries, kept
                 trial = raised(j, size, f)
                 tries += 1
-                s = store.loads(snaps_j[j])
+                s = store.loads(snapshot(j, size))
                 s.policy = trial.policy()
                 if not _finish_unless_below(s, floor):
                     continue  # the SLO is broken for sure: rejected, as the whole run would be
@@ -435,7 +449,7 @@ def improve(
                     schedule, sim, best_tok = trial, s, s.batch_tok_s()
                     kept += 1
                     if j + size < n:
-                        snaps_j.update(snapshots_from(j, store.loads(snaps_j[j]), size))
+                        restart(j, store.loads(snaps_j[j]))
                     break
     return schedule, sim, tries, kept
 
