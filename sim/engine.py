@@ -55,6 +55,9 @@ class FleetSpec:
     perf_scale: float = 1.0
     decode_tokens_per_step: float = 1.0  # speculative decoding's mean accepted tokens per step (table perf)
     speedup_ratio: float = 1.0
+    # Mocker perf only: the host's work per decode step and per sequence in it (see MockerPerf).
+    decode_step_overhead_ms: float = 0.0
+    decode_ms_per_seq: float = 0.0
     priority: bool = False
     kv_transfer_latency_s: float = 0.002
     kv_transfer_s_per_token: float = 0.0
@@ -103,7 +106,7 @@ class FleetSpec:
 
     def make_perf(self) -> Perf:
         if self.perf == "mocker":
-            return MockerPerf(self.speedup_ratio)
+            return MockerPerf(self.speedup_ratio, self.decode_step_overhead_ms, self.decode_ms_per_seq)
         return TablePerf.load(FLEETS / self.perf, self.perf_scale, self.decode_tokens_per_step)
 
     def as_dict(self) -> dict[str, Any]:

@@ -5,7 +5,9 @@
   4.209989e-07 t^2 + 1.518344e-02 t + 16.50142 ms; a decode step takes
   -25.74 u^2 + 54.01 u + 5.74 ms at KV occupancy u = active KV tokens / KV capacity. The mocker
   runs a step's prefill chunks one after another, then one decode pass, and sleeps their sum
-  divided by its speedup ratio; a decode worker of a split fleet skips the prefill part.
+  divided by its speedup ratio; a decode worker of a split fleet skips the prefill part. Where a
+  fleet file sets them, each decode step also costs the host's work per step and per sequence
+  in it (`step_overhead_ms`, `step_ms_per_seq`), fitted to the real mocker fleet here.
 - `TablePerf`: a latency grid from NVIDIA's aiconfigurator-core (`backfill.sim.aic_table`),
   interpolated: prefill by (new tokens, cached prefix), decode by (batch, mean context); a mixed
   step costs the sum of its two parts. With speculative decoding (a grid compiled with MTP
@@ -32,6 +34,12 @@ class Perf(Protocol):
 @dataclass(frozen=True)
 class MockerPerf:
     speedup_ratio: float = 1.0
+    # The host's own work a decode step costs on the fleet as it runs here (the mocker's step
+    # loop and each generated token's way through the worker and the frontend), beside the
+    # modelled GPU time: real CPU time, so not divided by the speedup. Fitted to real runs
+    # (`bench.sim_calibrate`; docs/simulator.md): 0 leaves the mocker's polynomial alone.
+    step_overhead_ms: float = 0.0
+    step_ms_per_seq: float = 0.0
 
     def prefill_ms(self, new_tokens: int, prefix: int) -> float:
         if new_tokens <= 0:
@@ -43,11 +51,12 @@ class MockerPerf:
         if batch <= 0:
             return 0.0
         u = kv_usage
-        return max(1.0, -25.74 * u * u + 54.01 * u + 5.74) / self.speedup_ratio
+        gpu = max(1.0, -25.74 * u * u + 54.01 * u + 5.74) / self.speedup_ratio
+        return gpu + self.step_overhead_ms + self.step_ms_per_seq * batch
 
     @property
     def min_decode_ms(self) -> float:
-        return 5.74 / self.speedup_ratio
+        return 5.74 / self.speedup_ratio + self.step_overhead_ms + self.step_ms_per_seq
 
 
 def _interp1(xs: list[float], ys: list[float], x: float) -> float:
