@@ -267,10 +267,6 @@ class CapacitySettings(BaseSettings):
     # bring it to; 0 leaves the signal out. Suits a fleet whose prefill is short against the
     # TTFT SLO (0.4 on the simulated split fleet); see docs/scheduling.md.
     capacity_prefill_busy_target: float = Field(default=0.0, ge=0.0)
-    # The most the batch limit may grow in one control period, per engine that prefills (each
-    # request admitted is a prefill queued there at once); 0: no cap. 2 on the simulated split
-    # fleet; see docs/benchmarks.md, harvest in the simulator.
-    capacity_grow_per_prefill_engine: float = Field(default=0.0, ge=0.0)
     # Share of releases guaranteed to batches forecast to miss their completion window.
     deadline_guaranteed_share: float = 0.5
 

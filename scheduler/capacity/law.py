@@ -16,9 +16,7 @@ misses its first-token SLO before the window's mean TTFT moves.
 
 The law is AIMD-like. Grow in proportion to the room left while latency sits below the SLO
 with a margin (and only while the leases are actually used; the mean TTFT against a fraction of
-its SLO, as the SLO holds each request and the sensor reads a window's mean; where a fleet caps
-it, by at most a few requests per prefill engine a period, as each is a prefill admitted at
-once); cut in proportion to the overshoot
+its SLO, as the SLO holds each request and the sensor reads a window's mean); cut in proportion to the overshoot
 when the smoothed latency crosses the target; cut hard when a queue forms, a 429/503 arrives,
 an engine preempts or its KV cache nears full, latency crosses the SLO itself, or interactive
 requests surge (on a split fleet, a lighter cut: see `split_surge_keep`), and then
@@ -99,14 +97,6 @@ class ControlConfig:
     # GB200 one sits above 1 with interactive work alone).
     prefill_busy_target: float = 0.0
     prefill_busy_smoothing: float = 0.1
-    # The most the limit may grow in one period, per engine that prefills (the prefill engines
-    # of a split fleet, else the aggregated workers); 0: no cap. Growth is admitted at once,
-    # and every request admitted is a prefill queued on those engines: a clump of them lands
-    # ahead of an interactive prompt that arrives just then, and where a prefill is a fifth of
-    # the TTFT SLO (the split mocker fleet) two or three cost it the SLO while the window's
-    # mean TTFT still looks fine. 2 on the split mocker fleet (tuned in the simulator,
-    # bench.sim_harvest).
-    grow_per_prefill_engine: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -292,11 +282,7 @@ class Controller:
             # not wait for one.)
             reason = "grow"
             room = (cfg.grow_below - max(pressure, busy)) / cfg.grow_below
-            growth = max(1.0, cfg.grow_gain * room * self.limit)
-            if cfg.grow_per_prefill_engine > 0:
-                prefilling = len(prefill_engines) or sum(1 for w in snap.workers if w.role == "agg") or 1
-                growth = min(growth, max(1.0, cfg.grow_per_prefill_engine * prefilling))
-            self.limit += growth
+            self.limit += max(1.0, cfg.grow_gain * room * self.limit)
         else:
             reason = "steady"
         self._was_idle = idle

@@ -291,27 +291,6 @@ def test_a_busy_prefill_engine_stops_growth_while_interactive_work_is_around() -
     assert d.reason == "grow"
 
 
-def test_growth_per_period_is_capped_per_engine_that_prefills() -> None:
-    # Room to grow (ITL half the SLO): uncapped, the limit grows in proportion to itself; capped,
-    # by at most the setting per engine that prefills, as each request admitted is a prefill
-    # queued there at once.
-    free = Controller(ControlConfig(slo=SLO, ceiling=200))
-    free.limit = 40
-    assert free.step(split_snap(1.0, inflight=40), 40, ObsDelta(), 1.0).limit > 44
-    capped = Controller(ControlConfig(slo=SLO, ceiling=200, grow_per_prefill_engine=2))
-    capped.limit = 40
-    d = capped.step(split_snap(1.0, inflight=40), 40, ObsDelta(), 1.0)
-    assert d.reason == "grow" and d.limit == 42  # one prefill engine
-    agg = Controller(ControlConfig(slo=SLO, ceiling=200, grow_per_prefill_engine=2))
-    agg.limit = 40
-    d = agg.step(snap(1.0, inflight=40), 40, ObsDelta(), 1.0)
-    assert d.reason == "grow" and d.limit == 44  # two aggregated workers prefill
-    # Never below the law's own least step of one request.
-    small = Controller(ControlConfig(slo=SLO, ceiling=200, grow_per_prefill_engine=0.25))
-    small.limit = 40
-    assert small.step(split_snap(1.0, inflight=40), 40, ObsDelta(), 1.0).limit == 41
-
-
 def test_the_ttft_tail_comes_from_the_histograms_window_buckets() -> None:
     assert bucket_quantile([(0.1, 0.0), (0.22, 8.0), (0.47, 10.0), (float("inf"), 10.0)], 0.9) == pytest.approx(0.345)
     assert bucket_quantile([(0.1, 0.0), (float("inf"), 4.0)], 0.9) == 0.1  # the highest finite bound
@@ -357,17 +336,5 @@ def test_the_prefill_busy_target_reaches_the_law_from_its_setting(monkeypatch: p
     monkeypatch.setenv("BACKFILL_CAPACITY_PREFILL_BUSY_TARGET", "0.4")
     assert control_config(Settings()).prefill_busy_target == 0.4
     monkeypatch.setenv("BACKFILL_CAPACITY_PREFILL_BUSY_TARGET", "-1")
-    with pytest.raises(ValueError):
-        Settings()
-
-
-def test_the_growth_cap_reaches_the_law_from_its_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    from backfill.scheduler.runtime import control_config
-    from backfill.storage.settings import Settings
-
-    assert control_config(Settings()).grow_per_prefill_engine == 0.0  # no cap unless asked for
-    monkeypatch.setenv("BACKFILL_CAPACITY_GROW_PER_PREFILL_ENGINE", "2")
-    assert control_config(Settings()).grow_per_prefill_engine == 2.0
-    monkeypatch.setenv("BACKFILL_CAPACITY_GROW_PER_PREFILL_ENGINE", "-1")
     with pytest.raises(ValueError):
         Settings()
