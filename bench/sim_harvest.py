@@ -9,7 +9,7 @@ backtracking), on the first `--oracle-seeds` seeds. Ratios are per seed: the con
 tok/s over the oracle's, and over the best static setting that holds the SLO (attainment within
 1 point of (a)).
 
-    .venv/bin/python -m bench.sim_harvest --quick     # ~1.5 min of CPU
+    .venv/bin/python -m bench.sim_harvest --quick     # ~70-80 s of CPU
     .venv/bin/python -m bench.sim_harvest             # 20 seeds (oracle: 5)
 """
 
