@@ -19,11 +19,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from backfill.sim.control import Policy, Sim, SloRule
+from backfill.sim.control import Policy, Sim, SloRule, slo_set_by
 from backfill.sim.engine import FleetSpec
-from backfill.sim.workload import Session, Trace, Turn
-from bench.agent_trace import TraceSpec, build_trace
+from backfill.sim.workload import Trace
+from bench.agent_trace import TraceSpec
 from bench.harvest_results import pct
+from bench.sim_harvest import trace_from_spec
 
 BOUND = 0.15  # relative error allowed on latencies and batch tok/s
 ATTAIN_PTS = 3.0
@@ -31,16 +32,7 @@ ATTAIN_PTS = 3.0
 
 def trace_of(params: dict[str, Any], name: str) -> Trace:
     fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
-    spec = TraceSpec(**fields)
-    sessions = build_trace(spec)
-    return Trace(
-        name,
-        spec.duration_s,
-        spec.system_tokens,
-        tuple(
-            Session(s.start_s, tuple(Turn(t.tool_tokens, t.max_tokens, t.think_s) for t in s.turns)) for s in sessions
-        ),
-    )
+    return trace_from_spec(name, TraceSpec(**fields))
 
 
 def figures(sim: Sim, slo: SloRule) -> dict[str, float]:
@@ -72,12 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     trace = trace_of(real["trace"], variant)
     base = Sim(fleet, trace, Policy("none"), slo=SloRule(1e9, 1e9))
     base.finish()
-    o = base.outcomes()
-    slo = SloRule(
-        2 * pct([x.ttft for x in o if x.ttft is not None], 0.9),
-        1.3 * pct([x.itl for x in o if x.itl is not None], 0.9),
-    )
-    base.slo = slo
+    slo = base.slo = slo_set_by(base)
     real_slo = SloRule(real["slo"]["ttft_s"], real["slo"]["itl_s"])
     print(
         f"{variant} on {fleet.name} (KV {kv} B/token), trace {trace.duration_s:.0f} s; "

@@ -21,19 +21,19 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from backfill.sim.control import Policy, Sim, SloRule
+from backfill.sim.control import Policy, Sim, SloRule, slo_set_by
 from backfill.sim.engine import FleetSpec
 from backfill.sim.oracle import replay_of, search
 from backfill.sim.workload import GENERATORS, Session, Trace, Turn
-from bench.agent_trace import TRACES, build_trace
+from bench.agent_trace import TRACES, TraceSpec, build_trace
 from bench.harvest_results import pct
 
 MOCKER_TRACES = ("agent", "lulls", "ramp", "burstgpt", "azure_conv")
 GB200_TRACES = ("glm_agent",)
 
 
-def agent_trace(name: str, seed: int) -> Trace:
-    spec = replace(TRACES[name], seed=TRACES[name].seed + seed)
+def trace_from_spec(name: str, spec: TraceSpec) -> Trace:
+    """The harvest benchmark's agent sessions (bench.agent_trace) as the simulator's trace."""
     sessions = build_trace(spec)
     return Trace(
         name,
@@ -43,6 +43,10 @@ def agent_trace(name: str, seed: int) -> Trace:
             Session(s.start_s, tuple(Turn(t.tool_tokens, t.max_tokens, t.think_s) for t in s.turns)) for s in sessions
         ),
     )
+
+
+def agent_trace(name: str, seed: int) -> Trace:
+    return trace_from_spec(name, replace(TRACES[name], seed=TRACES[name].seed + seed))
 
 
 def make_trace(name: str, seed: int) -> Trace:
@@ -82,12 +86,8 @@ def one(
 ) -> dict[str, Any]:
     a = Sim(fleet, trace, Policy("none"), slo=SloRule(1e9, 1e9), seed=seed)
     a.finish()
+    slo = a.slo = slo_set_by(a)
     o = a.outcomes()
-    slo = SloRule(
-        2 * pct([x.ttft for x in o if x.ttft is not None], 0.9),
-        1.3 * pct([x.itl for x in o if x.itl is not None], 0.9),
-    )
-    a.slo = slo
     rows = {"a": summarize(a)}
     statics: list[Sim] = []
     allowed = {(r.session, r.turn) for r, x in zip(a.interactive, o, strict=True) if not a.meets(x)}

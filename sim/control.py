@@ -205,6 +205,19 @@ class SloRule:
     itl_s: float
 
 
+def slo_set_by(a: Sim) -> SloRule:
+    """The SLO an interactive-only run sets, by bench.harvest's rule: each request's TTFT <= 2x
+    the run's p90 TTFT and its mean ITL <= 1.3x the run's p90 (no ITL bound if nothing streamed)."""
+    o = a.outcomes()
+    ttft = sorted(x.ttft for x in o if x.ttft is not None)
+    itl = sorted(x.itl for x in o if x.itl is not None)
+
+    def p90(xs: list[float]) -> float:
+        return xs[min(len(xs) - 1, round(0.9 * (len(xs) - 1)))]
+
+    return SloRule(2 * p90(ttft) if ttft else 0.0, 1.3 * p90(itl) if itl else 1e9)
+
+
 @dataclass
 class Outcome:
     rid: int
@@ -523,10 +536,7 @@ def simulate(
     a = Sim(spec, trace, Policy("none"), slo=slo or SloRule(1e9, 1e9), seed=seed)
     a.finish()
     if slo is None:
-        base = summary(a)
-        itl_p90 = base["itl_p90_s"] or 0.0
-        slo = SloRule(2 * (base["ttft_p90_s"] or 0.0), 1.3 * itl_p90 if itl_p90 else 1e9)
-        a.slo = slo
+        slo = a.slo = slo_set_by(a)
     run = Sim(spec, trace, policy, slo=slo, seed=seed)
     run.finish()
     gpus = (spec.prefill_workers if spec.mode == "disagg" else 0) + spec.decode_workers

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from backfill.sim.control import Policy, Sim, SloRule
+from backfill.sim.control import Policy, Sim, SloRule, slo_set_by
 from backfill.sim.engine import FleetSpec
 from backfill.sim.oracle import Snapshots, attainment, replay_of, search
 from backfill.sim.workload import Trace
-from bench.harvest_results import pct
 from bench.sim_harvest import agent_trace
 
 STATICS = (2, 4, 8, 12, 16, 24, 32)
@@ -20,12 +19,7 @@ def _setup(kv: int, name: str = "ramp", seconds: float = 30.0) -> tuple[FleetSpe
     trace = replace(agent_trace(name, 0), duration_s=seconds)
     a = Sim(fleet, trace, Policy("none"), slo=SloRule(1e9, 1e9), seed=0)
     a.finish()
-    o = a.outcomes()
-    slo = SloRule(
-        2 * pct([x.ttft for x in o if x.ttft is not None], 0.9),
-        1.3 * pct([x.itl for x in o if x.itl is not None], 0.9),
-    )
-    a.slo = slo
+    slo = a.slo = slo_set_by(a)
     return fleet, trace, slo, a
 
 

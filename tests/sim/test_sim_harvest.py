@@ -8,10 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from backfill.sim.control import Policy, Sim, SloRule
+from backfill.sim.control import Policy, Sim, SloRule, slo_set_by
 from backfill.sim.engine import FleetSpec
 from backfill.sim.oracle import attainment, replay_of, search
-from bench.harvest_results import pct
 from bench.sim_harvest import agent_trace
 
 FLOOR = 0.85
@@ -23,14 +22,9 @@ def _ratio(kv: int, seed: int) -> tuple[float, bool]:
     trace = replace(agent_trace("agent", seed), duration_s=60.0)
     a = Sim(fleet, trace, Policy("none"), slo=SloRule(1e9, 1e9), seed=seed)
     a.finish()
-    o = a.outcomes()
-    slo = SloRule(
-        2 * pct([x.ttft for x in o if x.ttft is not None], 0.9),
-        1.3 * pct([x.itl for x in o if x.itl is not None], 0.9),
-    )
-    a.slo = slo
+    slo = a.slo = slo_set_by(a)
     floor = attainment(a) - 0.01
-    allowed = {(r.session, r.turn) for r, x in zip(a.interactive, o, strict=True) if not a.meets(x)}
+    allowed = {(r.session, r.turn) for r, x in zip(a.interactive, a.outcomes(), strict=True) if not a.meets(x)}
     c = Sim(fleet, trace, Policy("controller"), slo=slo, seed=seed)
     c.finish()
     oracle = search(
