@@ -106,6 +106,12 @@ def test_cancel_ends_wait_with_failure_and_cancelled_lines_are_not_retried(stack
     assert proc.stdout is not None
     batch_id = proc.stdout.readline().strip()
     assert batch_id.startswith("batch_"), proc.communicate(timeout=30)
+    # Cancelled once its lines exist (validation is over in well under a second now; a batch
+    # cancelled while it validates has no lines to report as cancelled).
+    deadline = time.monotonic() + 60
+    while bf_json(stack, "status", batch_id)["status"] == "validating":
+        assert time.monotonic() < deadline, "the batch never left validation"
+        time.sleep(0.05)
 
     cancelled = bf(stack, "cancel", batch_id)
     assert cancelled.exit_code == 0, cancelled.output
