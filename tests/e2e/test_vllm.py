@@ -107,9 +107,12 @@ class EngineRouter:
                 break
         if self._client is None:
             # A connection a request: a kept-alive one the engine's server closed meanwhile
-            # would fail a request the router cannot safely send twice.
+            # would fail a request the router cannot safely send twice. The connect may wait long:
+            # with the engines' threads busy on two cores (load ~30) the API server accepts late,
+            # and a request the router failed comes back later, re-sent, which the priority test
+            # would read as never having waited in the engine.
             self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(300, connect=10), limits=httpx.Limits(max_keepalive_connections=0)
+                timeout=httpx.Timeout(300, connect=120), limits=httpx.Limits(max_keepalive_connections=0)
             )
         path = scope["path"]
         if scope["method"] == "GET" and path == "/v1/models":
@@ -488,8 +491,17 @@ def test_priority_mode_reaches_the_engine(client: openai.OpenAI, router: EngineR
     )
     until(lambda: any(b"[prio]" in body for _, body in router.sending), "the batch never reached the engine")
     with EngineHold(generate) as hold, ThreadPoolExecutor(LIVE) as pool:
-        # At most HOLDERS - 4 holds wait, so the rest of the engine's queue is batch lines.
-        until(lambda: waiting_in(generate) >= HOLDERS - 4 + 8, "no batch line queued behind the hold")
+        # At most HOLDERS - 4 holds wait, so the rest of the engine's queue is batch lines; and
+        # at least 8 of this batch's lines are in the engine, unanswered (the queue alone could
+        # also hold what an earlier test left there).
+        def held_lines() -> int:
+            answered = {json.dumps(e.sent) for e in list(router.exchanges) if "[prio]" in json.dumps(e.sent)}
+            return sum(1 for _, body in list(router.sending) if b"[prio]" in body) - len(answered)
+
+        until(
+            lambda: waiting_in(generate) >= HOLDERS - 4 + 8 and held_lines() >= 8,
+            "no batch line queued behind the hold",
+        )
         lives = [pool.submit(interactive, i) for i in range(LIVE)]
         until(lambda: len(passed("[live]")) == LIVE, "the interactive requests never reached the engine")
         time.sleep(2.0)  # the hop from the router into the engine's queue (a starved API server)
