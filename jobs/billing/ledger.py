@@ -28,7 +28,7 @@ from typing import Any, cast
 from sqlalchemy import Table, TextClause, bindparam, func, select, text
 from sqlalchemy.orm import Session
 
-from backfill.jobs.billing.models import Price, UsageLedgerEntry
+from backfill.jobs.billing.models import LEDGER_AMOUNTS, Price, UsageLedgerEntry
 from backfill.jobs.errors import InvalidRequest
 from backfill.jobs.execution.replies import Outcome, Usage
 from backfill.jobs.metrics import count_usage_on_commit
@@ -284,17 +284,7 @@ def _warn_unpriced(model: str, batch_id: str) -> None:
 
 # A batch's entries of one recorded group: the columns that differ line by line, in the order
 # `_LEDGER_GROUP` unnests them; the rest (the batch's key, team, model, price, the time) are one value.
-_PER_LINE = (
-    "line",
-    "prompt_tokens",
-    "cached_tokens",
-    "completion_tokens",
-    "reasoning_tokens",
-    "input_cost_micros",
-    "cached_input_cost_micros",
-    "output_cost_micros",
-    "cost_micros",
-)
+_PER_LINE = ("line", *LEDGER_AMOUNTS)
 _PER_BATCH = ("batch_id", "team_id", "api_key_id", "model", "price_version", "recorded_at")
 
 

@@ -37,6 +37,19 @@ class Price(Base):
     __table_args__ = (Index("ix_prices_model_effective", "model", "effective_from"),)
 
 
+# A ledger entry's amounts: what a roll-up sums and what each recorded line carries.
+LEDGER_AMOUNTS = (
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "reasoning_tokens",
+    "input_cost_micros",
+    "cached_input_cost_micros",
+    "output_cost_micros",
+    "cost_micros",
+)
+
+
 class UsageLedgerEntry(Base):
     """One row per executed (succeeded) request, written in the transaction that records its result;
     once the batch ends, its rows are rolled up into one per minute, key, model and price

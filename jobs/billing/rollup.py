@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import BigInteger, delete, func, insert, literal_column, select, update
 from sqlalchemy.orm import Session
 
-from backfill.jobs.billing.models import UsageLedgerEntry
+from backfill.jobs.billing.models import LEDGER_AMOUNTS, UsageLedgerEntry
 from backfill.jobs.billing.usage import EPOCH, epoch_seconds
 from backfill.jobs.models import Batch
 
@@ -55,17 +55,7 @@ def roll_up_ledger(session: Session, batch_id: str, *, now: datetime) -> int:
     groups = session.execute(select(*keys, *sums).where(*per_line).group_by(*keys).order_by(*keys)).all()
     if not groups:
         return 1
-    names = [
-        "requests",
-        "prompt_tokens",
-        "cached_tokens",
-        "completion_tokens",
-        "reasoning_tokens",
-        "input_cost_micros",
-        "cached_input_cost_micros",
-        "output_cost_micros",
-        "cost_micros",
-    ]
+    names = ["requests", *LEDGER_AMOUNTS]
     rows: list[dict[str, Any]] = []
     for i, group in enumerate(groups):
         values: list[Any] = list(group)
