@@ -175,6 +175,7 @@ def control_config(s: Settings) -> ControlConfig:
         period_s=s.control_period_s,
         idle_target=s.capacity_idle_target,
         prefill_busy_target=s.capacity_prefill_busy_target,
+        engine_priority=s.capacity_engine_priority,
         kv=KvModel(bytes_per_token=s.kv_bytes_per_token, budget_bytes=s.kv_budget_bytes),
         unseen_limit=s.max_inflight if s.capacity_control == "auto" else None,
     )

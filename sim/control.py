@@ -295,6 +295,7 @@ class Sim:
                 bytes_per_token=spec.kv_bytes_per_token + spec.kv_extra_bytes_per_token,
                 budget_bytes=spec.kv_budget_bytes,
             ),
+            engine_priority=spec.priority,  # as an operator of a fleet with priority scheduling sets it
         )
         ctl.update(dict(spec.control))
         ctl.update(self.policy.control)

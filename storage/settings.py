@@ -267,6 +267,10 @@ class CapacitySettings(BaseSettings):
     # bring it to; 0 leaves the signal out. Suits a fleet whose prefill is short against the
     # TTFT SLO (0.4 on the simulated split fleet); see docs/scheduling.md.
     capacity_prefill_busy_target: float = Field(default=0.0, ge=0.0)
+    # The fleet's engines run vLLM's priority scheduling (`--scheduling-policy priority`) and
+    # batch lines go out marked lowest (fleet_priority_hint): the law then does not cut for
+    # interactive bursts and lets the mean TTFT reach the SLO (docs/scheduling.md).
+    capacity_engine_priority: bool = False
     # Share of releases guaranteed to batches forecast to miss their completion window.
     deadline_guaranteed_share: float = 0.5
 

@@ -338,3 +338,34 @@ def test_the_prefill_busy_target_reaches_the_law_from_its_setting(monkeypatch: p
     monkeypatch.setenv("BACKFILL_CAPACITY_PREFILL_BUSY_TARGET", "-1")
     with pytest.raises(ValueError):
         Settings()
+
+
+def test_engines_with_priority_scheduling_need_no_surge_cut_and_hold_the_mean_ttft_to_the_slo() -> None:
+    # The engines take interactive prompts before batch ones: a burst never waits behind batch
+    # prefills, so it is no reason to cut; and a mean TTFT of 0.8 x the SLO (over the 0.7 x a
+    # fleet without priority may reach) leaves room to grow.
+    burst = snap(1.0, itl=0.010, streaming=5, arrivals=5, inflight=45)
+    fifo = Controller(ControlConfig(slo=SLO, ceiling=200))
+    fifo.limit = 40
+    assert fifo.step(burst, 40, ObsDelta(), 1.0).reason == "surge"
+    prio = Controller(ControlConfig(slo=SLO, ceiling=200, engine_priority=True))
+    prio.limit = 40
+    d = prio.step(burst, 40, ObsDelta(), 1.0)
+    assert d.reason == "grow" and d.shed_to is None and d.limit > 40
+
+    slow_first_token = snap(1.0, ttft=0.8 * SLO.ttft_s)
+    fifo = Controller(ControlConfig(slo=SLO, ceiling=200, smoothing=1.0))
+    fifo.limit = 40
+    assert fifo.step(slow_first_token, 40, ObsDelta(), 1.0).reason in ("cut", "over-slo")
+    prio = Controller(ControlConfig(slo=SLO, ceiling=200, smoothing=1.0, engine_priority=True))
+    prio.limit = 40
+    assert prio.step(slow_first_token, 40, ObsDelta(), 1.0).reason == "grow"
+
+
+def test_engine_priority_reaches_the_law_from_its_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from backfill.scheduler.runtime import control_config
+    from backfill.storage.settings import Settings
+
+    assert control_config(Settings()).engine_priority is False
+    monkeypatch.setenv("BACKFILL_CAPACITY_ENGINE_PRIORITY", "true")
+    assert control_config(Settings()).engine_priority is True
