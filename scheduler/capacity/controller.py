@@ -170,7 +170,7 @@ class FleetCapacityLoop:
             loop.withdraw()
 
 
-_LOGGED = ("no-telemetry", "overload", "surge", "over-slo", "queue", "wake")
+_LOGGED = ("no-telemetry", "overload", "step-model", "over-slo", "queue", "wake")
 
 
 class DecisionLog:

@@ -18,20 +18,28 @@ The law is AIMD-like. Grow in proportion to the room left while latency sits bel
 with a margin (and only while the leases are actually used; the mean TTFT against a fraction of
 its SLO, as the SLO holds each request and the sensor reads a window's mean); cut in proportion to the overshoot
 when the smoothed latency crosses the target; cut hard when a queue forms, a 429/503 arrives,
-an engine preempts or its KV cache nears full, latency crosses the SLO itself, or interactive
-requests surge (on a split fleet, a lighter cut: see `split_surge_keep`), and then
+an engine preempts or its KV cache nears full, or latency crosses the SLO itself, and then
 also shed: publish a target below the in-flight count so drains abort their youngest requests
-and requeue them. The KV model caps the limit (the cache's token capacity follows from its byte
+and requeue them.
+
+The smoothed latency moves a second or so after the load does, and on engines that serve requests
+first come, first served a burst of interactive arrivals has missed its SLO by then. So the law
+also fits the decoders' step time to what each holds (`StepModel`: window ITL against KV usage
+and running sequences, least squares with forgetting) and caps the limit, every period, at the
+batch the worst decoder can carry at the ITL target given what it holds now: an arrival's load
+counts as soon as it lands on a decoder, and the excess is shed at once. (It replaced a cut on a
+count of arrivals per period, which cut for bursts that needed none: bench.sim_harvest.) Engines
+that schedule interactive requests first need neither (`engine_priority`). The KV model caps the limit (the cache's token capacity follows from its byte
 budget and the bytes per token) and the engines' sequence slots cap it too, with a reserve kept
 for interactive arrivals. Without fresh telemetry the limit falls to the floor: fail closed.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from backfill.scheduler.capacity.telemetry import FleetSnapshot, KvModel
+from backfill.scheduler.capacity.telemetry import FleetSnapshot, KvModel, WorkerStats
 
 
 @dataclass(frozen=True)
@@ -53,11 +61,6 @@ class ControlConfig:
     cut_gain: float = 2.0  # cut per period, as a fraction of in-flight, per unit of relative overshoot
     hard_cut: float = 0.5  # what is left of in-flight after a hard cut
     hold_s: float = 0.75  # no growth for this long after a cut
-    # Interactive arrivals in one period that count as a surge (at least; more on a fleet whose
-    # usual rate is higher): two already queue their prefills
-    # behind the batch's on a shared prefill engine, and the first-token tail goes past the SLO
-    # before the mean TTFT moves (tuned in the simulator, bench.sim_harvest).
-    surge_requests: int = 2
     # With no interactive request in flight for idle_after_s, nobody is waiting on a token: the
     # latency target stretches to idle_target x SLO, and the first interactive arrival sheds
     # back down to what the SLO allows. 1.0 disables this.
@@ -82,12 +85,6 @@ class ControlConfig:
     # reach this fraction of the TTFT SLO. 0 leaves the tail out.
     ttft_tail_target: float = 0.0
     queue_periods: int = 3  # a waiting queue seen this many periods in a row has formed
-    # What a surge leaves of the batch in flight where prefill runs on engines of its own (a
-    # split fleet): there the burst's prompts queue behind batch prefills, not behind batch
-    # decoding, so the cut only has to stop new prefills for a while and shed the youngest
-    # requests (those still waiting for the prefill engine); halving everything in flight threw
-    # away decoding work (tuned in the simulator, bench.sim_harvest).
-    split_surge_keep: float = 0.75
     # Split fleets: the mean number of requests on each prefill engine (running + waiting,
     # smoothed with `prefill_busy_smoothing` per period) the batch may bring it to. The
     # first-token SLO binds each request, and an interactive prompt that lands behind queued batch
@@ -97,13 +94,82 @@ class ControlConfig:
     # GB200 one sits above 1 with interactive work alone).
     prefill_busy_target: float = 0.0
     prefill_busy_smoothing: float = 0.1
+    # The step-time model's cap: the worst decoder's predicted ITL with the batch at the limit
+    # may reach this fraction of the ITL SLO; a cap this many requests below what is in flight
+    # sheds to it (a smaller gap waits for requests to finish). Tuned in the simulator
+    # (bench.sim_harvest): 0.9 and 2 held the SLO on every tuning run of the mocker fleets.
+    step_model_target: float = 0.9
+    step_model_shed_gap: float = 2.0
     # The engines schedule interactive requests before batch ones (vLLM's `--scheduling-policy
     # priority`, batch lines marked lowest by `BACKFILL_FLEET_PRIORITY_HINT`). Then a burst of
-    # interactive prompts never queues behind batch prefills, so there is no surge to cut for,
-    # and batch prefills cannot stretch the first-token tail past the mean, so the window's mean
-    # TTFT may reach the SLO itself. (On the simulated GB200 fleet, the surge cuts and a mean
-    # target of 0.7 x the SLO held the controller to 0.61 of the oracle; bench.sim_harvest.)
+    # interactive prompts never queues behind batch prefills or waits for a decode slot, so the
+    # smoothed latency is fast enough and the step-time model's cap is left out (it cost the
+    # simulated GB200 fleet a quarter of its batch tokens, its prediction for the worst decoder
+    # binding before the TTFT that limits that fleet), and batch prefills cannot stretch the
+    # first-token tail past the mean, so the window's mean TTFT may reach the SLO itself.
     engine_priority: bool = False
+
+
+class StepModel:
+    """A decoder's step time (its window mean ITL) as a + b x KV usage + c x running sequences,
+    fitted by least squares over every decoder's readings, older ones forgotten at `decay` per
+    reading. The form is the one the Dynamo mocker and aiconfigurator's decode tables take: a
+    fixed cost, attention over the cached tokens, per-sequence work."""
+
+    MIN_READINGS = 20
+
+    def __init__(self, decay: float = 0.995) -> None:
+        self.decay = decay
+        self._xx = [[0.0] * 3 for _ in range(3)]  # decayed sums of x x' and x y
+        self._xy = [0.0] * 3
+        self.readings = 0
+
+    def observe(self, workers: Sequence[WorkerStats]) -> None:
+        d = self.decay
+        for w in workers:
+            if w.itl_s is None or w.itl_n <= 0 or w.running <= 0:
+                continue
+            x = (1.0, w.kv_usage, float(w.running))
+            for i in range(3):
+                self._xy[i] = d * self._xy[i] + x[i] * w.itl_s
+                for j in range(3):
+                    self._xx[i][j] = d * self._xx[i][j] + x[i] * x[j]
+            self.readings += 1
+
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """(a, b, c), or None before enough readings or while they cannot tell b from c."""
+        if self.readings < self.MIN_READINGS:
+            return None
+        a = [row[:] for row in self._xx]
+        y = self._xy[:]
+        for i in range(3):
+            a[i][i] += 1e-6 * (self._xx[0][0] + 1.0)  # a touch of ridge: readings may be collinear
+        for i in range(3):  # Gaussian elimination on the 3 x 3 normal equations
+            if abs(a[i][i]) < 1e-12:
+                return None
+            for k in range(i + 1, 3):
+                f = a[k][i] / a[i][i]
+                for j in range(i, 3):
+                    a[k][j] -= f * a[i][j]
+                y[k] -= f * y[i]
+        th = [0.0, 0.0, 0.0]
+        for i in (2, 1, 0):
+            th[i] = (y[i] - sum(a[i][j] * th[j] for j in range(i + 1, 3))) / a[i][i]
+        return th[0], max(0.0, th[1]), max(0.0, th[2])  # more work never makes a step faster
+
+    def batch_limit(
+        self, workers: Sequence[WorkerStats], batch: int, kv_share_per_request: float, target_s: float
+    ) -> float | None:
+        """The batch requests in flight at which the worst decoder's predicted step time reaches
+        `target_s`, each request adding 1/len(workers) of a sequence and of its KV share to each."""
+        coef = self.coefficients()
+        if coef is None or not workers:
+            return None
+        a, b, c = coef
+        per_request = (b * kv_share_per_request + c) / len(workers)
+        if per_request <= 1e-9:
+            return None
+        return min(batch + (target_s - (a + b * w.kv_usage + c * w.running)) / per_request for w in workers)
 
 
 @dataclass(frozen=True)
@@ -134,7 +200,8 @@ class Controller:
         self._was_idle = False
         self._queued_for = 0
         self._kv_per_request = 1024.0  # prompt + output tokens of a batch request, learned
-        self._arrivals = 0.0  # interactive arrivals per period, smoothed over ~5 s
+        self.step_model = StepModel()
+        self.step_limit: float | None = None  # the step-time model's cap of the last period
         self.seen = False  # whether complete telemetry has ever arrived
         # KV cache tokens the decoders leave to batch work, from the KV model (None: unknown).
         self.kv_budget_tokens: int | None = None
@@ -206,10 +273,6 @@ class Controller:
         arrivals = fe.stream_arrivals
         if interactive or arrivals:
             self._last_interactive = now
-        # A surge is a burst above the fleet's usual arrivals, not a fixed count: a large fleet
-        # gets several interactive requests every period. Three times the usual rate.
-        surge_at = max(cfg.surge_requests, math.ceil(3 * self._arrivals))
-        self._arrivals = 0.95 * self._arrivals + 0.05 * arrivals
         idle = cfg.idle_target > 1.0 and now - self._last_interactive >= cfg.idle_after_s
         # A queue on the engines that decode: their slots or KV ran out. A prefill engine's queue
         # is the TTFT the law already steers on, and a busy fleet's interactive load keeps one.
@@ -250,6 +313,15 @@ class Controller:
             if now - self._last_interactive < cfg.idle_after_s:
                 busy = self._prefill_busy / cfg.prefill_busy_target
         in_use = min(self.limit, float(b))
+        self.step_limit = None
+        if not cfg.engine_priority:
+            decoders = [w for w in snap.workers if w.role in ("agg", "decode")]
+            self.step_model.observe(decoders)
+            kv_tokens = cfg.kv.tokens(fe.kv_tokens_per_worker)
+            kv_share = self._kv_per_request / kv_tokens if kv_tokens else 0.0
+            self.step_limit = self.step_model.batch_limit(
+                decoders, b, kv_share, cfg.step_model_target * cfg.slo.itl_s * scale
+            )
         shed_to: int | None = None
         if self._was_idle and not idle:
             # Interactive work is back after a quiet spell: give back, at once, what the SLO
@@ -267,17 +339,21 @@ class Controller:
                     ("kv-full", kv >= cfg.kv_full),
                     ("queue", queue_formed),
                     ("over-slo", pressure >= 1.0 or raw_pressure >= 1.5),
-                    ("surge", arrivals >= surge_at and b and not cfg.engine_priority),
                 )
                 if hit
             ),
             "",
         ):
             reason = hard
-            keep = cfg.split_surge_keep if hard == "surge" and prefill_engines else cfg.hard_cut
-            self.limit = in_use * keep
+            self.limit = in_use * cfg.hard_cut
             shed_to = int(self.limit)
             self._hold_until = now + cfg.hold_s
+        elif self.step_limit is not None and self.step_limit < in_use - cfg.step_model_shed_gap:
+            # What the decoders hold now (an arrival's context, say) leaves the batch less room
+            # than it takes: give the excess back at once, before the smoothed ITL shows it.
+            reason = "step-model"
+            self.limit = max(0.0, self.step_limit)
+            shed_to = int(self.limit)
         elif max(pressure, busy) > cfg.cut_above:
             reason = "cut" if pressure > cfg.cut_above else "prefill-busy"
             overshoot = (max(pressure, busy) - cfg.cut_above) / cfg.cut_above
@@ -294,6 +370,9 @@ class Controller:
         else:
             reason = "steady"
         self._was_idle = idle
+        if self.step_limit is not None and reason in ("grow", "steady"):
+            # Growth stops at the model's cap; a cap a little below what is in flight holds it there.
+            self.limit = min(self.limit, max(self.step_limit, in_use))
         self.limit = min(max(self.limit, float(cfg.floor)), float(cap))
         if shed_to is not None:
             shed_to = max(shed_to, cfg.floor)

@@ -357,7 +357,7 @@ def test_concurrency_follows_interactive_latency(db: str, busy_fleet: Any, lease
         after = control.limits(time.time() - 2.0)
     assert served > 24
     reasons = {d.reason for t, d in control.decisions if t1 <= t < t2}
-    assert reasons & {"surge", "over-slo", "cut", "queue"}, reasons
+    assert reasons & {"step-model", "over-slo", "cut", "queue"}, reasons
     level = sum(before) / len(before)
     assert sum(during) / len(during) <= 0.5 * level, (before, during)
     assert sum(after) / len(after) >= 0.7 * level, (before, after)

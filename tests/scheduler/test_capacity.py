@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from backfill.scheduler.capacity.law import ControlConfig, Controller, ObsDelta, Slo
+from backfill.scheduler.capacity.law import ControlConfig, Controller, ObsDelta, Slo, StepModel
 from backfill.scheduler.capacity.telemetry import (
     FleetSnapshot,
     FleetTelemetry,
@@ -156,11 +156,46 @@ def test_a_queue_counts_once_it_persists() -> None:
     assert c.limit == 20
 
 
-def test_an_interactive_surge_sheds_at_once() -> None:
-    c = Controller(ControlConfig(slo=SLO, ceiling=200))
+def _step_ms(kv: float, running: int) -> float:
+    """A decoder whose step costs 6 ms, 40 ms per unit of KV usage and 0.1 ms per sequence."""
+    return 0.006 + 0.040 * kv + 0.0001 * running
+
+
+def test_the_step_model_learns_the_decoders_step_time() -> None:
+    model = StepModel()
+    assert model.coefficients() is None  # not before it has seen enough
+    for i in range(60):
+        kv, running = 0.05 + 0.01 * (i % 30), 4 + (7 * i) % 40
+        w = snap(0.0, itl=_step_ms(kv, running), kv=kv, running=running).workers[0]
+        model.observe([w])
+    a, b, c = model.coefficients() or (0.0, 0.0, 0.0)
+    assert a == pytest.approx(0.006, rel=0.01) and b == pytest.approx(0.040, rel=0.01)
+    assert c == pytest.approx(0.0001, rel=0.05)
+    # Two decoders at KV 0.2 / 30 sequences and 0.3 / 30; each batch request adds half a sequence
+    # and half of 2% of a cache to each: the fuller one reaches 20 ms first.
+    ws = [replace(w, kv_usage=u, running=30) for w, u in zip(snap(0.0).workers, (0.2, 0.3), strict=True)]
+    per_request = (0.040 * 0.02 + 0.0001) / 2
+    expected = 10 + (0.020 - _step_ms(0.3, 30)) / per_request
+    assert model.batch_limit(ws, 10, 0.02, 0.020) == pytest.approx(expected, rel=0.01)
+
+
+def test_load_landing_on_a_decoder_sheds_before_the_smoothed_itl_moves() -> None:
+    # Interactive requests with long contexts land on the decoders: their KV usage jumps from 0.2
+    # to 0.45 while the window ITL still reads what the last steps took. The model's cap drops
+    # below what is in flight and the excess is shed in the same period.
+    c = Controller(ControlConfig(slo=SLO, ceiling=200, kv=KvModel(576, 2048 * 64 * 576)))
     c.limit = 40
-    d = c.step(snap(1.0, itl=0.010, streaming=5, arrivals=5, inflight=45), 40, ObsDelta(), 1.0)
-    assert d.reason == "surge" and d.shed_to == 20 and d.interactive == 5
+    t = 0.0
+    for i in range(30):
+        t += 0.25
+        kv, running = 0.15 + 0.01 * (i % 10), 20 + i % 15
+        c.step(snap(t, itl=_step_ms(kv, running), kv=kv, running=running), 30, ObsDelta(), t)
+    assert c.step_limit is not None
+    calm = c.step(snap(t + 0.25, itl=_step_ms(0.2, 30), kv=0.2, running=30), 30, ObsDelta(), t + 0.25)
+    assert calm.reason != "step-model" and calm.shed_to is None
+    landed = snap(t + 0.5, itl=_step_ms(0.2, 30), kv=0.45, running=34, streaming=4, inflight=34)
+    d = c.step(landed, 30, ObsDelta(), t + 0.5)
+    assert d.reason == "step-model" and d.shed_to is not None and d.shed_to < 30
 
 
 def test_limit_respects_sequence_slots_and_the_kv_model() -> None:
@@ -259,15 +294,6 @@ def split_snap(at: float, *, prefill_busy: int = 0, streaming: int = 0, arrivals
     return replace(base, workers=(prefill, *decode))
 
 
-def test_a_surge_on_a_split_fleet_sheds_only_the_youngest() -> None:
-    # Its prompts queue behind batch prefills, not behind batch decoding: a lighter cut than on
-    # an aggregated fleet, still at once.
-    c = Controller(ControlConfig(slo=SLO, ceiling=200))
-    c.limit = 40
-    d = c.step(split_snap(1.0, streaming=5, arrivals=5, inflight=45), 40, ObsDelta(), 1.0)
-    assert d.reason == "surge" and d.shed_to == 30
-
-
 def test_a_busy_prefill_engine_stops_growth_while_interactive_work_is_around() -> None:
     cfg = ControlConfig(slo=SLO, ceiling=200, prefill_busy_target=0.4, prefill_busy_smoothing=1.0)
     c = Controller(cfg)
@@ -340,18 +366,19 @@ def test_the_prefill_busy_target_reaches_the_law_from_its_setting(monkeypatch: p
         Settings()
 
 
-def test_engines_with_priority_scheduling_need_no_surge_cut_and_hold_the_mean_ttft_to_the_slo() -> None:
+def test_engines_with_priority_scheduling_leave_the_step_model_out_and_hold_the_mean_ttft_to_the_slo() -> None:
     # The engines take interactive prompts before batch ones: a burst never waits behind batch
-    # prefills, so it is no reason to cut; and a mean TTFT of 0.8 x the SLO (over the 0.7 x a
-    # fleet without priority may reach) leaves room to grow.
-    burst = snap(1.0, itl=0.010, streaming=5, arrivals=5, inflight=45)
-    fifo = Controller(ControlConfig(slo=SLO, ceiling=200))
-    fifo.limit = 40
-    assert fifo.step(burst, 40, ObsDelta(), 1.0).reason == "surge"
+    # work, so the smoothed latency is fast enough and no step-time cap is set; and a mean TTFT
+    # of 0.8 x the SLO (over the 0.7 x a first-come-first-served fleet may reach) leaves room.
     prio = Controller(ControlConfig(slo=SLO, ceiling=200, engine_priority=True))
-    prio.limit = 40
-    d = prio.step(burst, 40, ObsDelta(), 1.0)
-    assert d.reason == "grow" and d.shed_to is None and d.limit > 40
+    fifo = Controller(ControlConfig(slo=SLO, ceiling=200))
+    for c in (prio, fifo):
+        t = 0.0
+        for i in range(30):
+            t += 0.25
+            kv, running = 0.15 + 0.01 * (i % 10), 20 + i % 15
+            c.step(snap(t, itl=_step_ms(kv, running), kv=kv, running=running), 30, ObsDelta(), t)
+    assert prio.step_limit is None and fifo.step_limit is not None
 
     slow_first_token = snap(1.0, ttft=0.8 * SLO.ttft_s)
     fifo = Controller(ControlConfig(slo=SLO, ceiling=200, smoothing=1.0))
