@@ -114,26 +114,51 @@ class StepModel:
     """A decoder's step time (its window mean ITL) as a + b x KV usage + c x running sequences,
     fitted by least squares over every decoder's readings, older ones forgotten at `decay` per
     reading. The form is the one the Dynamo mocker and aiconfigurator's decode tables take: a
-    fixed cost, attention over the cached tokens, per-sequence work."""
+    fixed cost, attention over the cached tokens, per-sequence work.
+
+    Windows the form does not explain (on an aggregated engine, steps stalled behind long
+    prefills read 20x the decode step) would drag the fit for a long while: once fitted, a
+    reading more than `TRUSTED` off the prediction counts with a weight that falls with its
+    error (Huber's), and the model is trusted only while its recent readings' mean relative error
+    (a moving average over ~10) is within `TRUSTED` (`trusted`). One reading far off does not
+    stop it: that is what a decoder looks like in the period an arrival's context lands on it.
+    """
 
     MIN_READINGS = 20
+    TRUSTED = 0.25  # relative error
 
     def __init__(self, decay: float = 0.995) -> None:
         self.decay = decay
         self._xx = [[0.0] * 3 for _ in range(3)]  # decayed sums of x x' and x y
         self._xy = [0.0] * 3
         self.readings = 0
+        self.error = 0.0  # moving average of the readings' relative error against the fit
+
+    @staticmethod
+    def _readings(workers: Sequence[WorkerStats]) -> list[WorkerStats]:
+        return [w for w in workers if w.itl_s is not None and w.itl_s > 0 and w.itl_n > 0 and w.running > 0]
+
+    def _error(self, coef: tuple[float, float, float], w: WorkerStats) -> float:
+        assert w.itl_s is not None
+        return abs(coef[0] + coef[1] * w.kv_usage + coef[2] * w.running - w.itl_s) / w.itl_s
+
+    @property
+    def trusted(self) -> bool:
+        return self.coefficients() is not None and self.error <= self.TRUSTED
 
     def observe(self, workers: Sequence[WorkerStats]) -> None:
         d = self.decay
-        for w in workers:
-            if w.itl_s is None or w.itl_n <= 0 or w.running <= 0:
-                continue
+        coef = self.coefficients()
+        for w in self._readings(workers):
+            assert w.itl_s is not None
+            err = self._error(coef, w) if coef is not None else 0.0
+            self.error = 0.9 * self.error + 0.1 * err
+            weight = 1.0 if err <= self.TRUSTED else self.TRUSTED / err
             x = (1.0, w.kv_usage, float(w.running))
             for i in range(3):
-                self._xy[i] = d * self._xy[i] + x[i] * w.itl_s
+                self._xy[i] = d * self._xy[i] + weight * x[i] * w.itl_s
                 for j in range(3):
-                    self._xx[i][j] = d * self._xx[i][j] + x[i] * x[j]
+                    self._xx[i][j] = d * self._xx[i][j] + weight * x[i] * x[j]
             self.readings += 1
 
     def coefficients(self) -> tuple[float, float, float] | None:
@@ -314,9 +339,10 @@ class Controller:
                 busy = self._prefill_busy / cfg.prefill_busy_target
         in_use = min(self.limit, float(b))
         self.step_limit = None
+        decoders = [w for w in snap.workers if w.role in ("agg", "decode")]
         if not cfg.engine_priority:
-            decoders = [w for w in snap.workers if w.role in ("agg", "decode")]
             self.step_model.observe(decoders)
+        if not cfg.engine_priority and self.step_model.trusted:
             kv_tokens = cfg.kv.tokens(fe.kv_tokens_per_worker)
             kv_share = self._kv_per_request / kv_tokens if kv_tokens else 0.0
             self.step_limit = self.step_model.batch_limit(
