@@ -200,6 +200,7 @@ def summarize(
         batch_requests=sum(1 for d in done if d[1] == 200),
         aborted_or_failed=sum(1 for d in done if d[1] != 200),
         loop_lag_p99_s=raw["interactive"].get("loop_lag_p99_s", 0.0),
+        load_avg_1m=os.getloadavg()[0],
     )
 
 
@@ -405,7 +406,8 @@ def _report(r: RunResult) -> None:
         f"TTFT p50/p90 {r.ttft_p50 * 1000:4.0f}/{r.ttft_p90 * 1000:4.0f} ms  "
         f"ITL p50/p90 {r.itl_p50 * 1000:4.1f}/{r.itl_p90 * 1000:4.1f} ms  "
         f"batch {r.batch_tok_s:6.0f} tok/s ({r.batch_requests} req, {r.aborted_or_failed} failed)  "
-        f"gen lag p99 {r.loop_lag_p99_s * 1000:.0f} ms",
+        f"gen lag p99 {r.loop_lag_p99_s * 1000:.0f} ms  load {r.load_avg_1m:.1f}"
+        + ("" if r.valid else "  INVALID: generator lag p99 over 10 ms"),
         flush=True,
     )
 

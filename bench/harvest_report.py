@@ -15,7 +15,7 @@ HOLD_POINTS = 1.0  # a static setting "holds the SLO" within this many points of
 
 def best_static(results: list[RunResult]) -> RunResult | None:
     base = next(r for r in results if r.kind == "a")
-    holding = [r for r in results if r.kind == "s" and r.attainment >= base.attainment - HOLD_POINTS]
+    holding = [r for r in results if r.kind == "s" and r.valid and r.attainment >= base.attainment - HOLD_POINTS]
     return max(holding, key=lambda r: r.batch_tok_s, default=None)
 
 
@@ -87,7 +87,7 @@ def write_summary(
                 "variant": variant,
                 "trace": spec,
                 "slo": asdict(slo),
-                "runs": [asdict(r) for r in results],
+                "runs": [asdict(r) | {"valid": r.valid} for r in results],
                 "best_static": s.name if s else None,
                 "elapsed_s": round(elapsed_s, 1),
                 "line": line,

@@ -28,7 +28,16 @@ class RunResult:
     batch_requests: int
     aborted_or_failed: int
     loop_lag_p99_s: float
+    load_avg_1m: float = 0.0  # the machine's load average as the run ended
     extra: dict[str, Any] = field(default_factory=dict)
+
+    # A run whose load generator lagged this much measured the machine, not the fleet: marked
+    # invalid, and left out of the best static setting and the closing line.
+    MAX_LAG_S = 0.010
+
+    @property
+    def valid(self) -> bool:
+        return self.loop_lag_p99_s <= self.MAX_LAG_S
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -53,3 +53,13 @@ def test_closing_line_and_table_carry_the_oracle() -> None:
     assert "99.5% at 1200 tok/s" in row and row.endswith("| 1.67x | 1.25x |")
     # Without an oracle run the line is what it always was.
     assert "oracle" not in final_line([r for r in results if r.kind != "o"])
+
+
+def test_a_run_whose_generator_lagged_is_invalid_and_not_the_best_static() -> None:
+    from bench.harvest_report import best_static
+
+    lagged = replace(run("s8", "s", 100.0, 900.0, 8), loop_lag_p99_s=0.015)
+    results = [run("a", "a", 100.0, 0.0), run("s4", "s", 100.0, 450.0, 4), lagged]
+    assert not lagged.valid and results[1].valid
+    best = best_static(results)
+    assert best is not None and best.name == "s4"
