@@ -11,6 +11,7 @@ tok/s over the oracle's, and over the best static setting that holds the SLO (at
 
     .venv/bin/python -m bench.sim_harvest --quick     # ~70-80 s of CPU
     .venv/bin/python -m bench.sim_harvest             # 20 seeds (oracle: 5)
+    .venv/bin/python -m bench.sim_harvest --controller-only   # (a) and the controller: a law against another
 """
 
 from __future__ import annotations
@@ -119,6 +120,42 @@ def one(
     return out
 
 
+def controller_only(fleets: list[str], seeds: int) -> None:
+    """(a) and the controller on every trace, KV format and seed, nothing else: run at two
+    checkouts, it compares two laws on the same runs (mean batch tok/s, runs on the SLO)."""
+    for fleet_name in fleets:
+        base = FleetSpec.load(fleet_name)
+        toks: list[float] = []
+        held = 0
+        for trace_name in GB200_TRACES if fleet_name.startswith("gb200") else MOCKER_TRACES:
+            for kv in (576, 352):
+                fleet = base.with_kv(kv)
+                cell: list[float] = []
+                cell_held = 0
+                for seed in range(seeds):
+                    trace = make_trace(trace_name, seed)
+                    a = Sim(fleet, trace, Policy("none"), slo=SloRule(1e9, 1e9), seed=seed)
+                    a.finish()
+                    slo = slo_set_by(a)
+                    a.slo = slo
+                    c = Sim(fleet, trace, Policy("controller"), slo=slo, seed=seed)
+                    c.finish()
+                    cell.append(c.batch_tok_s())
+                    cell_held += summarize(c).attainment >= summarize(a).attainment - 0.01 - 1e-9
+                print(
+                    f"{fleet_name} {trace_name} kv{kv}: controller {statistics.mean(cell):.0f} batch tok/s (mean), "
+                    f"held the SLO on {cell_held}/{seeds}",
+                    flush=True,
+                )
+                toks += cell
+                held += cell_held
+        print(
+            f"harvest_controller: fleet={fleet_name} runs={len(toks)} "
+            f"batch_tok_s_mean={statistics.mean(toks):.0f} held={held}/{len(toks)}",
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="one seed, the split mocker fleet and the GB200 fleet")
@@ -127,7 +164,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sweep", default="2,4,8,16,24,32")
     p.add_argument("--fleets", default="mocker-disagg,mocker-agg,gb200-glm53")
     p.add_argument("--improve-tries", type=int, default=60, help="the oracle's improvement replays per run")
+    p.add_argument("--controller-only", action="store_true", help="(a) and the controller only, per fleet")
     a = p.parse_args(argv)
+    if a.controller_only:
+        controller_only(a.fleets.split(","), a.seeds)
+        return
     seeds, oracle_seeds, fleets = a.seeds, a.oracle_seeds, a.fleets.split(",")
     if a.quick:
         seeds, oracle_seeds, fleets = 1, 1, ["mocker-disagg", "gb200-glm53"]
