@@ -29,9 +29,11 @@ and running sequences, least squares with forgetting) and caps the limit, every 
 batch the worst decoder can carry at the ITL target given what it holds now: an arrival's load
 counts as soon as it lands on a decoder, and the excess is shed at once. (It replaced a cut on a
 count of arrivals per period, which cut for bursts that needed none: bench.sim_harvest.) Engines
-that schedule interactive requests first need neither (`engine_priority`). The KV model caps the limit (the cache's token capacity follows from its byte
-budget and the bytes per token) and the engines' sequence slots cap it too, with a reserve kept
-for interactive arrivals. Without fresh telemetry the limit falls to the floor: fail closed.
+that schedule interactive requests first need neither (`engine_priority`).
+
+The KV model caps the limit (the cache's token capacity follows from its byte budget and the
+bytes per token) and the engines' sequence slots cap it too, with a reserve kept for interactive
+arrivals. Without fresh telemetry the limit falls to the floor: fail closed.
 """
 
 from __future__ import annotations
@@ -162,7 +164,7 @@ class StepModel:
             self.readings += 1
 
     def coefficients(self) -> tuple[float, float, float] | None:
-        """(a, b, c), or None before enough readings or while they cannot tell b from c."""
+        """(a, b, c), or None before enough readings."""
         if self.readings < self.MIN_READINGS:
             return None
         a = [row[:] for row in self._xx]
