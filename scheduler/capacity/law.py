@@ -341,14 +341,13 @@ class Controller:
                 busy = self._prefill_busy / cfg.prefill_busy_target
         in_use = min(self.limit, float(b))
         self.step_limit = None
-        decoders = [w for w in snap.workers if w.role in ("agg", "decode")]
         if not cfg.engine_priority:
-            self.step_model.observe(decoders)
+            self.step_model.observe(decoding)
         if not cfg.engine_priority and self.step_model.trusted:
             kv_tokens = cfg.kv.tokens(fe.kv_tokens_per_worker)
             kv_share = self._kv_per_request / kv_tokens if kv_tokens else 0.0
             self.step_limit = self.step_model.batch_limit(
-                decoders, b, kv_share, cfg.step_model_target * cfg.slo.itl_s * scale
+                decoding, b, kv_share, cfg.step_model_target * cfg.slo.itl_s * scale
             )
         shed_to: int | None = None
         if self._was_idle and not idle:
