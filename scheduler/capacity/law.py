@@ -188,13 +188,15 @@ class StepModel:
         self, workers: Sequence[WorkerStats], batch: int, kv_share_per_request: float, target_s: float
     ) -> float | None:
         """The batch requests in flight at which the worst decoder's predicted step time reaches
-        `target_s`, each request adding 1/len(workers) of a sequence and of its KV share to each."""
+        `target_s`, each request adding 1/len(workers) of a sequence and of its KV share to each.
+        None where the target is below an empty decoder's step: no batch level meets it, so it is
+        not the batch's to meet (the other rules still cut for latency over the SLO)."""
         coef = self.coefficients()
         if coef is None or not workers:
             return None
         a, b, c = coef
         per_request = (b * kv_share_per_request + c) / len(workers)
-        if per_request <= 1e-9:
+        if per_request <= 1e-9 or target_s <= a:
             return None
         return min(batch + (target_s - (a + b * w.kv_usage + c * w.running)) / per_request for w in workers)
 

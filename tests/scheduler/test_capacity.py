@@ -177,6 +177,9 @@ def test_the_step_model_learns_the_decoders_step_time() -> None:
     per_request = (0.040 * 0.02 + 0.0001) / 2
     expected = 10 + (0.020 - _step_ms(0.3, 30)) / per_request
     assert model.batch_limit(ws, 10, 0.02, 0.020) == pytest.approx(expected, rel=0.01)
+    # A target under an empty decoder's 6 ms step: no batch level reaches it, so no cap (shedding
+    # every batch request would not bring the step under it).
+    assert model.batch_limit(ws, 10, 0.02, 0.005) is None
 
 
 def test_load_landing_on_a_decoder_sheds_before_the_smoothed_itl_moves() -> None:
