@@ -399,3 +399,14 @@ def test_engine_priority_reaches_the_law_from_its_setting(monkeypatch: pytest.Mo
     assert control_config(Settings()).engine_priority is False
     monkeypatch.setenv("BACKFILL_CAPACITY_ENGINE_PRIORITY", "true")
     assert control_config(Settings()).engine_priority is True
+
+
+def test_engines_with_priority_scheduling_cut_less_deep_when_latency_crosses_the_slo() -> None:
+    # An overshoot there slows every step a little; it does not queue interactive prompts behind
+    # batch work, so the hard cut keeps 0.8 of what is in flight (half elsewhere), and sheds to it.
+    over = snap(1.0, itl=1.2 * SLO.itl_s)
+    for priority, kept in ((False, 20), (True, 32)):
+        c = Controller(ControlConfig(slo=SLO, ceiling=200, smoothing=1.0, engine_priority=priority))
+        c.limit = 40
+        d = c.step(over, 40, ObsDelta(), 1.0)
+        assert (d.reason, d.limit, d.shed_to) == ("over-slo", kept, kept)
