@@ -9,7 +9,7 @@ backtracking), on the first `--oracle-seeds` seeds. Ratios are per seed: the con
 tok/s over the oracle's, and over the best static setting that holds the SLO (attainment within
 1 point of (a)).
 
-    .venv/bin/python -m bench.sim_harvest --quick     # ~70-80 s of CPU
+    .venv/bin/python -m bench.sim_harvest --quick     # ~95 s of CPU
     .venv/bin/python -m bench.sim_harvest             # 20 seeds (oracle: 5)
     .venv/bin/python -m bench.sim_harvest --controller-only   # (a) and the controller: a law against another
     .venv/bin/python -m bench.sim_harvest --controller-only --slo-scale 1.05   # ... a bolder one
@@ -93,12 +93,7 @@ def summarize(sim: Sim) -> Row:
 
 
 def one(
-    fleet: FleetSpec,
-    trace: Trace,
-    seed: int,
-    sweep: list[int],
-    oracle: bool,
-    improve_tries: int = 60,
+    fleet: FleetSpec, trace: Trace, seed: int, sweep: list[int], oracle: bool, improve_tries: int = 60
 ) -> dict[str, Any]:
     a = Sim(fleet, trace, Policy("none"), slo=SloRule(1e9, 1e9), seed=seed)
     a.finish()
@@ -224,14 +219,7 @@ def main(argv: list[str] | None = None) -> None:
                 t0 = time.time()
                 for seed in range(seeds):
                     per.append(
-                        one(
-                            fleet,
-                            make_trace(trace_name, seed),
-                            seed,
-                            sweep,
-                            seed < oracle_seeds,
-                            a.improve_tries,
-                        )
+                        one(fleet, make_trace(trace_name, seed), seed, sweep, seed < oracle_seeds, a.improve_tries)
                     )
                 print(
                     f"\n== {fleet_name} {trace_name} kv{kv}: {seeds} seeds (oracle {min(seeds, oracle_seeds)}), "
