@@ -29,7 +29,8 @@ and running sequences, least squares with forgetting) and caps the limit, every 
 batch the worst decoder can carry at the ITL target given what it holds now: an arrival's load
 counts as soon as it lands on a decoder, and the excess is shed at once. (It replaced a cut on a
 count of arrivals per period, which cut for bursts that needed none: bench.sim_harvest.) Engines
-that schedule interactive requests first need neither (`engine_priority`).
+that schedule interactive requests first need neither (`engine_priority`), and a hard cut there
+keeps more of the batch: an overshoot slows their steps, it queues no interactive prompt.
 
 The KV model caps the limit (the cache's token capacity follows from its byte budget and the
 bytes per token) and the engines' sequence slots cap it too, with a reserve kept for interactive
