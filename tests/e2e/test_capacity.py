@@ -374,10 +374,16 @@ def test_no_telemetry_no_batch_work_beyond_the_floor(db: str, busy_fleet: Any, l
         time.sleep(5.0)
         assert max(control.limits(time.time() - 2.0)) > 4  # with telemetry: well above the floor
         # The metrics stop answering (the loop's own telemetry now points at nothing).
+        swapped = time.time()
         control.loop.telemetry = FleetTelemetry([Endpoint("frontend", f"http://127.0.0.1:{free_port()}/metrics")])
+        # A step whose scrape began before the swap may still publish a limit from live
+        # telemetry: wait for the loop's first blind decision, so the floor is what is published.
+        deadline = time.monotonic() + 30.0
+        while not any(t >= swapped and d.reason == "no-telemetry" for t, d in control.decisions):
+            assert time.monotonic() < deadline, "the loop never noticed its telemetry was gone"
+            time.sleep(0.05)
         # Requests already in flight finish (how long they take is the machine's, so wait for
         # them rather than a fixed time); then nothing new goes beyond the floor.
-        deadline = time.monotonic() + 30.0
         while leases.count(FLEET_POOL) > 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         blind_from = time.time()
