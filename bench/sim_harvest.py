@@ -13,6 +13,7 @@ tok/s over the oracle's, and over the best static setting that holds the SLO (at
     .venv/bin/python -m bench.sim_harvest             # 20 seeds (oracle: 5)
     .venv/bin/python -m bench.sim_harvest --controller-only   # (a) and the controller: a law against another
     .venv/bin/python -m bench.sim_harvest --controller-only --slo-scale 1.05   # ... a bolder one
+    .venv/bin/python -m bench.sim_harvest --controller-only --set grow_below=0.88   # ... other settings
 
 Hindsight: on the oracle's seeds the controller also runs steering to a larger SLO (x1.05 to x1.5;
 each run is still judged on the real one), and the best of these runs that holds the SLO is the
@@ -25,12 +26,14 @@ from the best of everything tried, so nothing tried beats it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import statistics
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from backfill.scheduler.capacity.law import Slo
+from backfill.scheduler.capacity.law import ControlConfig, Slo
 from backfill.sim.control import Policy, Sim, SloRule, slo_set_by
 from backfill.sim.engine import FleetSpec
 from backfill.sim.oracle import replay_of, search
@@ -139,10 +142,13 @@ def one(
     return out
 
 
-def controller_only(fleets: list[str], seeds: int, slo_scale: float = 1.0) -> None:
+def controller_only(
+    fleets: list[str], seeds: int, slo_scale: float = 1.0, control: dict[str, Any] | None = None
+) -> None:
     """(a) and the controller on every trace, KV format and seed, nothing else: run at two
     checkouts, it compares two laws on the same runs (mean batch tok/s, runs on the SLO).
-    `slo_scale`: the controller steers to the SLO times this (each run is judged on the SLO)."""
+    `slo_scale`: the controller steers to the SLO times this (each run is judged on the SLO);
+    `control`: the law's settings (`ControlConfig` fields) over the fleet file's."""
     for fleet_name in fleets:
         base = FleetSpec.load(fleet_name)
         toks: list[float] = []
@@ -159,7 +165,8 @@ def controller_only(fleets: list[str], seeds: int, slo_scale: float = 1.0) -> No
                     slo = slo_set_by(a)
                     a.slo = slo
                     steer = Slo(ttft_s=slo.ttft_s * slo_scale, itl_s=slo.itl_s * slo_scale)
-                    c = Sim(fleet, trace, Policy("controller", control={"slo": steer}), slo=slo, seed=seed)
+                    law = Policy("controller", control={"slo": steer, **(control or {})})
+                    c = Sim(fleet, trace, law, slo=slo, seed=seed)
                     c.finish()
                     cell.append(c.batch_tok_s())
                     cell_held += summarize(c).attainment >= summarize(a).attainment - 0.01 - 1e-9
@@ -170,11 +177,31 @@ def controller_only(fleets: list[str], seeds: int, slo_scale: float = 1.0) -> No
                 )
                 toks += cell
                 held += cell_held
+        settings = "".join(f" {k}={v}" for k, v in (control or {}).items())
         print(
-            f"harvest_controller: fleet={fleet_name} slo_scale={slo_scale:g} runs={len(toks)} "
+            f"harvest_controller: fleet={fleet_name} slo_scale={slo_scale:g}{settings} runs={len(toks)} "
             f"batch_tok_s_mean={statistics.mean(toks):.0f} held={held}/{len(toks)}",
             flush=True,
         )
+
+
+def law_settings(p: argparse.ArgumentParser, items: list[str]) -> dict[str, Any]:
+    """`--set NAME=VALUE` as ControlConfig fields: numbers and true/false only (the SLO comes from
+    (a) and --slo-scale, the KV model from the fleet file)."""
+    fields = {f.name for f in dataclasses.fields(ControlConfig)} - {"slo", "kv"}
+    out: dict[str, Any] = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        if not sep or name not in fields:
+            p.error(f"--set {item!r}: expected NAME=VALUE with NAME one of {', '.join(sorted(fields))}")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = None
+        if not isinstance(value, int | float):  # (true and false are ints to Python)
+            p.error(f"--set {item!r}: the value must be a number or true/false")
+        out[name] = value
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -189,9 +216,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--slo-scale", type=float, default=1.0, help="--controller-only: the controller steers to the SLO times this"
     )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="--controller-only: a setting of the law (a ControlConfig field, e.g. grow_below=0.88); repeatable",
+    )
     a = p.parse_args(argv)
     if a.controller_only:
-        controller_only(a.fleets.split(","), a.seeds, a.slo_scale)
+        controller_only(a.fleets.split(","), a.seeds, a.slo_scale, law_settings(p, a.set))
         return
     seeds, oracle_seeds, fleets = a.seeds, a.oracle_seeds, a.fleets.split(",")
     if a.quick:

@@ -11,7 +11,7 @@ import pytest
 from backfill.sim.control import Policy, Sim, SloRule, slo_set_by
 from backfill.sim.engine import FleetSpec
 from backfill.sim.oracle import attainment, replay_of, search
-from bench.sim_harvest import agent_trace, one
+from bench.sim_harvest import agent_trace, main, one
 
 FLOOR = 0.85
 
@@ -59,3 +59,17 @@ def test_nothing_the_bench_runs_beats_its_oracle() -> None:
     for k, r in rows.items():
         if k != "oracle" and r.attainment >= floor:
             assert r.tok_s <= rows["oracle"].tok_s, (k, r.tok_s, rows["oracle"].tok_s)
+
+
+def test_controller_only_runs_the_law_with_the_settings_given(capsys: pytest.CaptureFixture[str]) -> None:
+    # `--set` reaches the controller: with a ceiling of 0 it sells nothing, where the fleet's own
+    # settings sell batch tokens on the same runs.
+    args = ["--controller-only", "--fleets", "mocker-disagg", "--seeds", "1"]
+    main(args)
+    assert "batch_tok_s_mean=0 " not in capsys.readouterr().out
+    main([*args, "--set", "ceiling=0"])
+    assert "slo_scale=1 ceiling=0 runs=10 batch_tok_s_mean=0 " in capsys.readouterr().out
+    for bad in ("nope=1", "ceiling", "grow_below=fast", "slo=1"):
+        with pytest.raises(SystemExit):
+            main([*args, "--set", bad])
+        assert "--set" in capsys.readouterr().err
