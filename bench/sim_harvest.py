@@ -79,6 +79,12 @@ class Row:
     aborted: int
 
 
+def holds(run: Row, a: Row) -> bool:
+    """A run holds the SLO: its attainment within 1 point of interactive-only (a)'s (the epsilon:
+    exactly 1 point below, in floating point, still holds)."""
+    return run.attainment >= a.attainment - 0.01 - 1e-9
+
+
 def summarize(sim: Sim) -> Row:
     o = sim.outcomes()
     ttft = [x.ttft for x in o if x.ttft is not None]
@@ -169,7 +175,7 @@ def controller_only(
                     c = Sim(fleet, trace, law, slo=slo, seed=seed)
                     c.finish()
                     cell.append(c.batch_tok_s())
-                    cell_held += summarize(c).attainment >= summarize(a).attainment - 0.01 - 1e-9
+                    cell_held += holds(summarize(c), summarize(a))
                 print(
                     f"{fleet_name} {trace_name} kv{kv}: controller {statistics.mean(cell):.0f} batch tok/s (mean), "
                     f"held the SLO on {cell_held}/{seeds}",
@@ -278,30 +284,23 @@ def main(argv: list[str] | None = None) -> None:
                 scales: list[str] = []
                 for x in per:
                     rows = x["rows"]
-                    base_att = rows["a"].attainment
                     c = rows["c"]
-                    held += c.attainment >= base_att - 0.01 - 1e-9
-                    gaps.append((base_att - c.attainment) * 100)
-                    holding = [
-                        r.tok_s for k, r in rows.items() if k.startswith("s") and r.attainment >= base_att - 0.01
-                    ]
+                    held += holds(c, rows["a"])
+                    gaps.append((rows["a"].attainment - c.attainment) * 100)
+                    holding = [r.tok_s for k, r in rows.items() if k.startswith("s") and holds(r, rows["a"])]
                     if holding and max(holding) > 0:
                         rs_.append(c.tok_s / max(holding))
                     if "oracle" in rows and rows["oracle"].tok_s > 0:
                         ro.append(c.tok_s / rows["oracle"].tok_s)
-                        ro_seeds.append(f"{ro[-1]:.2f}" + ("" if c.attainment >= base_att - 0.01 - 1e-9 else "*"))
+                        ro_seeds.append(f"{ro[-1]:.2f}" + ("" if holds(c, rows["a"]) else "*"))
                         if any(k.startswith("c*") for k in rows):
-                            bold = [
-                                (r.tok_s, k)
-                                for k, r in rows.items()
-                                if k.startswith("c") and r.attainment >= base_att - 0.01 - 1e-9
-                            ]
+                            bold = [(r.tok_s, k) for k, r in rows.items() if k.startswith("c") and holds(r, rows["a"])]
                             if bold:  # (none held: no ratio at equal attainment)
                                 tok, k = max(bold)
                                 rh.append(tok / rows["oracle"].tok_s)
                             scales.append(k if bold else "none held")
                         for k, r in rows.items():
-                            if k != "oracle" and r.attainment >= base_att - 0.01 and r.tok_s > rows["oracle"].tok_s:
+                            if k != "oracle" and holds(r, rows["a"]) and r.tok_s > rows["oracle"].tok_s:
                                 beaten.append(
                                     f"{fleet_name}/{trace_name}/kv{kv}: {k} {r.tok_s:.0f} > oracle {rows['oracle'].tok_s:.0f}"
                                 )
