@@ -13,7 +13,10 @@ from backfill.sim.engine import FleetSpec
 from backfill.sim.oracle import attainment, replay_of, search
 from bench.sim_harvest import agent_trace, holds, main, one
 
-FLOOR = 0.85
+FLOOR = 0.85  # issue 28's bar for this run: not met yet (0.83-0.86), so it is an expected failure
+# What this law reaches here (0.83-0.86, the same every run: the simulator is deterministic), less
+# a margin: a change that loses harvest, or the SLO, fails the suite, not just the bar above.
+GUARD = 0.8
 
 
 def _ratio(kv: int, seed: int) -> tuple[float, bool]:
@@ -37,12 +40,14 @@ def _ratio(kv: int, seed: int) -> tuple[float, bool]:
 
 def test_oracle_holds_and_the_controller_keeps_up() -> None:
     got = [(kv, seed, *_ratio(kv, seed)) for kv in (576, 352) for seed in (0, 1)]
-    short = [(kv, seed, r, held) for kv, seed, r, held in got if r < FLOOR or not held]
+    lost = [(kv, seed, r, held) for kv, seed, r, held in got if r < GUARD or not held]
+    assert not lost, f"controller/oracle below {GUARD} or off the SLO (kv, seed, ratio, held): {lost}"
+    short = [(kv, seed, r, held) for kv, seed, r, held in got if r < FLOOR]
     if short:
         pytest.xfail(
             "controller/oracle batch tok/s "
-            + ", ".join(f"kv{kv}/seed{seed} {r:.2f}{'' if held else ' (missed the SLO)'}" for kv, seed, r, held in got)
-            + f": below the {FLOOR}x floor or off the SLO"
+            + ", ".join(f"kv{kv}/seed{seed} {r:.2f}" for kv, seed, r, _ in got)
+            + f": below the {FLOOR}x floor"
         )
 
 
