@@ -145,6 +145,7 @@ def one(
         )
         rows["oracle"] = summarize(res.sim)
         out["oracle"] = {"tries": res.tries, "backtracks": res.backtracks, "source": res.source, "kept": res.improved}
+        out["oracle_schedule"] = res.schedule  # (None where the best run was a finished seed run)
     return out
 
 
