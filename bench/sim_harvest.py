@@ -44,6 +44,7 @@ from bench.harvest_results import pct
 HINDSIGHT_SCALES = (1.05, 1.1, 1.2, 1.5)
 MOCKER_TRACES = ("agent", "lulls", "ramp", "burstgpt", "azure_conv")
 GB200_TRACES = ("glm_agent",)
+SWEEP = (2, 4, 8, 16, 24, 32)  # the static limits each run is compared with
 
 
 def trace_from_spec(name: str, spec: TraceSpec) -> Trace:
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="one seed, the split mocker fleet and the GB200 fleet")
     p.add_argument("--seeds", type=int, default=20)
     p.add_argument("--oracle-seeds", type=int, default=5)
-    p.add_argument("--sweep", default="2,4,8,16,24,32")
+    p.add_argument("--sweep", default=",".join(map(str, SWEEP)))
     p.add_argument("--fleets", default="mocker-disagg,mocker-agg,gb200-glm53")
     p.add_argument("--improve-tries", type=int, default=60, help="the oracle's improvement replays per run")
     p.add_argument("--controller-only", action="store_true", help="(a) and the controller only, per fleet")

@@ -13,7 +13,7 @@ of the fleet. It is evidence, not a bound: a causal law need not have the oracle
 the replay still raises knowing the future).
 
     .venv/bin/python -m bench.sim_late_oracle                    # 2 seeds, both mocker fleets
-    .venv/bin/python -m bench.sim_late_oracle --seeds 3 --delays 0.25,0.5,1
+    .venv/bin/python -m bench.sim_late_oracle --seeds 2 --delays 0,0.25,0.5,1   # docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from backfill.sim.control import Sim
 from backfill.sim.engine import FleetSpec
 from backfill.sim.oracle import Schedule, run_schedule
 from backfill.sim.workload import Trace
-from bench.sim_harvest import MOCKER_TRACES, holds, make_trace, one, summarize
+from bench.sim_harvest import MOCKER_TRACES, SWEEP, holds, make_trace, one, summarize
 
 T = TypeVar("T")
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--fleets", default="mocker-disagg,mocker-agg")
     p.add_argument("--traces", default=",".join(MOCKER_TRACES))
-    p.add_argument("--delays", default="0.5,1", help="seconds each cut comes late")
+    p.add_argument("--delays", default="0.25,0.5,1", help="seconds each cut comes late")
     p.add_argument("--improve-tries", type=int, default=60)
     a = p.parse_args(argv)
     delays = [float(x) for x in a.delays.split(",")]
@@ -108,13 +108,13 @@ def main(argv: list[str] | None = None) -> None:
                 fleet = base.with_kv(kv)
                 for seed in range(a.seeds):
                     trace = make_trace(trace_name, seed)
-                    out = one(fleet, trace, seed, [2, 4, 8, 16, 24, 32], True, a.improve_tries)
+                    out = one(fleet, trace, seed, list(SWEEP), True, a.improve_tries)
                     rows, sched = out["rows"], out["oracle_schedule"]
                     if sched is None or rows["oracle"].tok_s <= 0 or not holds(rows["oracle"], rows["a"]):
                         # (the oracle's own run off the SLO: on a few seeds the search finds nothing
                         # that holds it and keeps its greedy run; there is nothing to keep then)
                         print(
-                            f"{f'{fleet_name} {trace_name} kv{kv}':<34} {seed:>4} the oracle's run is off the SLO: left out"
+                            f"{f'{fleet_name} {trace_name} kv{kv}':<34} {seed:>4} no oracle run on the SLO to replay: left out"
                         )
                         continue
                     o_tok = rows["oracle"].tok_s
@@ -130,8 +130,13 @@ def main(argv: list[str] | None = None) -> None:
                         f"{ctrl[-1]:5.2f} " + " ".join(f"{x:>18}" for x in cells),
                         flush=True,
                     )
+    if not ctrl:
+        print("\nlate_oracle: no run to replay")
+        return
     held = [x for x in ctrl if not math.isnan(x)]
-    line = f"late_oracle: runs={len(ctrl)} controller_vs_oracle_median={statistics.median(held):.2f}"
+    line = f"late_oracle: runs={len(ctrl)} controller_vs_oracle_median=" + (
+        f"{statistics.median(held):.2f}" if held else "none held"
+    )
     for d in delays:
         line += f" late{d:g}s_kept_median={statistics.median(kept[d]):.2f} late{d:g}s_kept_worst={min(kept[d]):.2f}"
     print(f"\n{line}\n({time.time() - started:.0f} s)")
